@@ -1,0 +1,259 @@
+"""Element number formats: one table, one rounding rule, exact code tables.
+
+Every low-precision element format this project emulates is a small IEEE-like binary float
+described by four numbers — exponent bits, mantissa bits, bias, and what happens past the largest
+finite value — plus the codes it reserves for inf and NaN. `FORMATS` holds them as data; the
+functions below work for any entry, so adding a format is adding a row, not a branch.
+
+Rounding (`round_to_format`) is exact for float32 input, vectorized, with no loop over elements:
+
+    e     = max(floor(log2|x|), emin)          # frexp: exact, no log2 rounding error
+    q     = 2^(e - mbits)                      # the spacing of representable values at |x|
+    |x̂|  = round(|x| / q) · q                 # |x|/q is exact (division by a power of two)
+
+`round` is round-half-to-even (IEEE RNE, what the hardware `cvt.rn` instructions and torch's
+casts do) or, as a named option, round-half-toward-zero, which is what modelopt 0.47's MXFP4
+weight export does (its `cast_fp4` counts strictly-greater bounds, so 0.75 → 0.5, 1.75 → 1.5,
+3.5 → 3). Results past the largest finite value saturate (`overflow="saturate"`: E4M3FN, E2M1,
+as the OCP/NVIDIA conversions with `.satfinite` do) or become ±inf (`overflow="inf"`: E5M2,
+as torch's cast does).
+
+Codes: `sign << (ebits + mbits) | biased_exponent << mbits | mantissa`. `decode_codes` is a
+lookup into a table built by the same formula in float64, so every code is tested exhaustively
+against a float64 reference (tests/test_formats.py).
+
+E8M0 (the MX shared scale) has no sign and no mantissa: a byte b means 2^(b − 127), and
+0xFF is NaN. It is handled by `e8m0_decode` / `e8m0_from_exponent`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "FloatFormat",
+    "FORMATS",
+    "E2M1",
+    "E4M3",
+    "E5M2",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "get_format",
+    "round_to_format",
+    "encode_codes",
+    "decode_codes",
+    "code_table",
+    "e8m0_decode",
+    "e8m0_from_exponent",
+]
+
+Overflow = Literal["saturate", "inf"]
+Ties = Literal["even", "toward_zero"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FloatFormat:
+    """A binary floating-point element format (at most 8 bits wide)."""
+
+    name: str
+    """Short name used in tables and error messages."""
+    ebits: int
+    """Exponent bits."""
+    mbits: int
+    """Explicit mantissa bits."""
+    bias: int
+    """Exponent bias; the smallest normal exponent is 1 - bias."""
+    max_finite: float
+    """Largest finite magnitude (E4M3FN: 448, not the IEEE-style 240, since it gives up inf)."""
+    overflow: Overflow
+    """What a finite value beyond `max_finite` becomes after rounding."""
+    inf_code: int | None = None
+    """Code of +inf (sign bit clear), or None when the format has no infinity."""
+    nan_code: int | None = None
+    """Canonical code of NaN (sign bit clear), or None when the format has no NaN."""
+    torch_dtype: torch.dtype | None = field(default=None, compare=False)
+    """The torch dtype with the same bits, where one exists (used for fast casts)."""
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.ebits and 0 <= self.mbits and self.ebits + self.mbits <= 7):
+            raise ValueError(f"{self.name}: need 1 <= ebits and ebits + mbits <= 7, got "
+                             f"ebits={self.ebits}, mbits={self.mbits}")
+        if self.overflow == "inf" and self.inf_code is None:
+            raise ValueError(f"{self.name}: overflow='inf' needs an inf_code")
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def n_codes(self) -> int:
+        return 1 << self.bits
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal value."""
+        return 1 - self.bias
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (self.emin - self.mbits)
+
+    @property
+    def sign_bit(self) -> int:
+        return 1 << (self.ebits + self.mbits)
+
+
+E2M1_MAX = 6.0  # largest FP4 E2M1 magnitude: 1.5 * 2^2
+E4M3_MAX = 448.0  # largest FP8 E4M3FN magnitude: 1.75 * 2^8 (S.1111.110; S.1111.111 is NaN)
+E5M2_MAX = 57344.0  # largest finite FP8 E5M2 magnitude: 1.75 * 2^15
+E8M0_BIAS = 127  # E8M0 byte b encodes 2^(b - 127)
+E8M0_NAN = 0xFF  # the one NaN code of E8M0
+
+E2M1 = FloatFormat(name="e2m1", ebits=2, mbits=1, bias=1, max_finite=E2M1_MAX,
+                   overflow="saturate", torch_dtype=None)
+E4M3 = FloatFormat(name="e4m3", ebits=4, mbits=3, bias=7, max_finite=E4M3_MAX,
+                   overflow="saturate", nan_code=0x7F, torch_dtype=torch.float8_e4m3fn)
+E5M2 = FloatFormat(name="e5m2", ebits=5, mbits=2, bias=15, max_finite=E5M2_MAX,
+                   overflow="inf", inf_code=0x7C, nan_code=0x7F, torch_dtype=torch.float8_e5m2)
+
+FORMATS: dict[str, FloatFormat] = {}
+
+
+def _register(fmt: FloatFormat) -> None:
+    if fmt.name in FORMATS:
+        raise ValueError(f"element format {fmt.name!r} registered twice")
+    FORMATS[fmt.name] = fmt
+
+
+for _fmt in (E2M1, E4M3, E5M2):
+    _register(_fmt)
+
+
+def get_format(name: str) -> FloatFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown element format {name!r}; valid: {', '.join(FORMATS)}") from None
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact 2^exponent in float32 for an integer tensor (ldexp never rounds in range)."""
+    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
+
+
+def round_to_format(x: torch.Tensor, fmt: FloatFormat, *, ties: Ties = "even") -> torch.Tensor:
+    """Round float32 values to the nearest value representable in `fmt`.
+
+    x: [...] float32 (other float dtypes are upcast exactly). Returns [...] float32 holding
+    exactly representable values of `fmt`; NaN stays NaN, ±inf saturates or stays ±inf
+    according to `fmt.overflow`; the sign of zero follows the input (IEEE).
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"round_to_format needs a float tensor, got {x.dtype}")
+    x = x.float()
+    ax = x.abs()
+    _, e_frexp = torch.frexp(ax)  # ax = m * 2^e_frexp with m in [0.5, 1)
+    e = torch.clamp(e_frexp.to(torch.int32) - 1, min=fmt.emin)  # floor(log2 ax), >= emin
+    quantum = _pow2(e - fmt.mbits)
+    scaled = ax / quantum  # exact: quantum is a power of two within float32's normal range
+    if ties == "even":
+        rounded = torch.round(scaled)  # torch.round is round-half-to-even
+    elif ties == "toward_zero":
+        rounded = torch.ceil(scaled - 0.5)
+    else:
+        raise ValueError(f"ties must be 'even' or 'toward_zero', got {ties!r}")
+    mag = rounded * quantum
+    if fmt.overflow == "saturate":
+        mag = torch.clamp(mag, max=fmt.max_finite)  # also maps +inf to max_finite
+    else:
+        mag = torch.where(mag > fmt.max_finite, torch.full_like(mag, math.inf), mag)
+    out = torch.copysign(mag, x)
+    return torch.where(torch.isnan(x), x, out)
+
+
+def encode_codes(x: torch.Tensor, fmt: FloatFormat, *, ties: Ties = "even",
+                 signed_zero: bool = True) -> torch.Tensor:
+    """Round float values to `fmt` and return their codes as uint8 (one code per element).
+
+    signed_zero: if True (IEEE), a value whose sign bit is set keeps it (−0.0 → 0x80 for FP8,
+    0x8 for E2M1). If False, the sign bit is set only for values < 0 — modelopt's NVFP4 rule, in
+    which an exact −0.0 input encodes as +0 (a negative that rounds to zero still keeps −0).
+    Raises ValueError on NaN for a format without a NaN code.
+    """
+    v = round_to_format(x, fmt, ties=ties)
+    nan = torch.isnan(v)
+    if fmt.nan_code is None and bool(nan.any()):
+        raise ValueError(f"{fmt.name} has no NaN code; input holds {int(nan.sum())} NaN value(s)")
+    neg = torch.signbit(v) if signed_zero else (x.float() < 0)
+    mag = v.abs()
+    _, e_frexp = torch.frexp(mag)
+    e = e_frexp.to(torch.int32) - 1
+    normal = (e >= fmt.emin) & (mag > 0)
+    biased = torch.where(normal, e + fmt.bias, torch.zeros_like(e))
+    exp_for_quantum = torch.where(normal, e, torch.full_like(e, fmt.emin))
+    mant = (mag / _pow2(exp_for_quantum - fmt.mbits)).to(torch.int32)  # exact integer
+    mant = torch.where(normal, mant - (1 << fmt.mbits), mant)
+    code = (biased << fmt.mbits) | mant
+    if fmt.inf_code is not None:
+        code = torch.where(torch.isinf(mag), torch.full_like(code, fmt.inf_code), code)
+    if fmt.nan_code is not None:
+        code = torch.where(nan, torch.full_like(code, fmt.nan_code), code)
+    code = code | torch.where(neg & ~nan, fmt.sign_bit, 0)
+    return code.to(torch.uint8)
+
+
+def _code_value(code: int, fmt: FloatFormat) -> float:
+    """Value of one code, by the format's definition, in float64 (the reference)."""
+    sign = -1.0 if code & fmt.sign_bit else 1.0
+    mag_code = code & (fmt.sign_bit - 1)
+    if fmt.nan_code is not None and mag_code == fmt.nan_code:
+        return math.nan
+    if fmt.inf_code is not None and mag_code == fmt.inf_code:
+        return sign * math.inf
+    if fmt.inf_code is not None and mag_code > fmt.inf_code:
+        return math.nan  # IEEE-style: all-ones exponent with nonzero mantissa
+    biased = mag_code >> fmt.mbits
+    mant = mag_code & ((1 << fmt.mbits) - 1)
+    if biased == 0:
+        return sign * mant * 2.0 ** (fmt.emin - fmt.mbits)
+    return sign * (1.0 + mant / (1 << fmt.mbits)) * 2.0 ** (biased - fmt.bias)
+
+
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def code_table(fmt: FloatFormat, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[2^bits] float32: the value of every code of `fmt`."""
+    device = torch.device(device)
+    key = (fmt.name, device)
+    if key not in _TABLES:
+        values = [_code_value(c, fmt) for c in range(fmt.n_codes)]
+        _TABLES[key] = torch.tensor(values, dtype=torch.float64).to(torch.float32).to(device)
+    return _TABLES[key]
+
+
+def decode_codes(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """uint8 codes [...] → float32 values [...] (exact)."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"decode_codes needs uint8 codes, got {codes.dtype}")
+    return code_table(fmt, codes.device)[codes.long()]
+
+
+def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 bytes [...] → float32 2^(b−127) [...]; 0xFF → NaN; 0x00 → 2^-127 (subnormal)."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"e8m0_decode needs uint8 codes, got {codes.dtype}")
+    values = _pow2(codes.to(torch.int32) - E8M0_BIAS)
+    return torch.where(codes == E8M0_NAN, torch.full_like(values, math.nan), values)
+
+
+def e8m0_from_exponent(exponent: torch.Tensor) -> torch.Tensor:
+    """Unbiased integer exponent [...] → E8M0 byte [...], clamped to the finite range [-127, 127]."""
+    return (torch.clamp(exponent.to(torch.int32), -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)

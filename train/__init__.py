@@ -1,0 +1,1 @@
+"""Corrected asynchronous RL on top of the engines and the monitors (see README.md)."""
