@@ -19,7 +19,8 @@ MXFP4 (OCP Microscaling v1.0: 32 E2M1 elements share one E8M0 power-of-two scale
                  saturating at ±6 (torchao ScaleCalculationMode.FLOOR).
   mxfp4-rceil    scale = amax/6 rounded up to a power of two — the `cvt.rp.satfinite.ue8m0x2.f32`
                  rule of NVIDIA's kernels (cuBLAS "D block quantization"; torchao RCEIL). Exact here:
-                 the exponent comes from the float's bits, never from a rounded log2.
+                 the exponent comes from the float's bits, never from a rounded log2. (A block
+                 with amax near FP32's max decodes to inf: 4 · 2^126 is not an FP32 number.)
   mxfp4-modelopt what modelopt 0.47's MXFP4 export writes (modelopt/torch/quantization/qtensor/
                  mxfp4_tensor.py): exponent = ceil(float32 log2(amax/6)), elements rounded with
                  ties toward zero (0.75→0.5, 1.75→1.5, 3.5→3), and zero stored as 0x8 (−0).
@@ -312,8 +313,13 @@ def _decode_mx(q: QTensor, spec: CodecSpec) -> torch.Tensor:
 
 
 def _nvfp4_global(x: torch.Tensor) -> torch.Tensor:
-    """modelopt's per-tensor scale: amax (in x's dtype, exact) / (6 · 448) in float32."""
-    return x.abs().amax().float() / _NVFP4_GLOBAL
+    """modelopt's per-tensor scale: amax (in x's dtype, exact) / (6 · 448) in float32.
+
+    An all-zero tensor would get 0 and then 0/0 block scales (modelopt 0.47 writes NaN scales and
+    code 7 there); we store 1.0 instead, so all-zero tensors round-trip to zeros.
+    """
+    s2 = x.abs().amax().float() / _NVFP4_GLOBAL
+    return torch.where(s2 > 0, s2, torch.ones_like(s2))
 
 
 def _encode_nvfp4_weight(x: torch.Tensor, spec: CodecSpec, s2: torch.Tensor) -> QTensor:
@@ -438,6 +444,10 @@ def encode(x: torch.Tensor, codec: str | CodecSpec, *, global_scale: torch.Tenso
     """
     spec = get_codec(codec)
     _check_input(x, spec, validate)
+    if global_scale is not None and validate and not bool((global_scale > 0).all()
+                                                          & torch.isfinite(global_scale).all()):
+        raise QuantizeError(f"codec {spec.name}: global_scale must be positive and finite, "
+                            f"got {global_scale.flatten()[:4].tolist()}")
     return _SCHEMES[spec.scheme][0](x, spec, global_scale)
 
 
