@@ -59,7 +59,9 @@ from .formats import (
     E5M2,
     E8M0_BIAS,
     FloatFormat,
+    SignRule,
     decode_codes,
+    decode_packed,
     e8m0_decode,
     e8m0_from_exponent,
     encode_codes,
@@ -72,7 +74,6 @@ Scheme = Literal["cast", "fp8", "mx", "nvfp4"]
 Granularity = Literal["tensor", "channel", "block", "group"]
 ScaleApply = Literal["divide_in_input_dtype", "divide_f32", "multiply_reciprocal_f32"]
 MXScaleRule = Literal["floor", "rceil", "modelopt"]
-SignRule = Literal["ieee", "negative", "nonpositive"]
 NVFP4Order = Literal["modelopt_weight", "kernel_activation"]
 
 NVFP4_SCALE_MIN = 2.0**-9  # modelopt clamps block scales here: the smallest E4M3 subnormal
@@ -192,16 +193,11 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _element_codes(v: torch.Tensor, x_sign: torch.Tensor, spec: CodecSpec) -> torch.Tensor:
-    """Round scaled values v to the element format and apply the codec's sign rule."""
+def _element_codes(v: torch.Tensor, spec: CodecSpec) -> torch.Tensor:
+    """Codes of already-scaled values v (finite: the input was validated) with the codec's
+    tie and sign rules."""
     assert spec.element is not None
-    codes = encode_codes(v, spec.element, ties=spec.ties)
-    sign = spec.element.sign_bit
-    if spec.sign_rule == "ieee":
-        return codes
-    magnitude = codes & (sign - 1)
-    neg = (x_sign < 0) if spec.sign_rule == "negative" else (x_sign <= 0)
-    return magnitude | torch.where(neg, sign, 0).to(torch.uint8)
+    return encode_codes(v, spec.element, ties=spec.ties, sign=spec.sign_rule, check_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,13 +294,13 @@ def _encode_mx(x: torch.Tensor, spec: CodecSpec, global_scale: torch.Tensor | No
     amax = xb.abs().amax(dim=-1).float()  # (..., nb)
     scale_codes = e8m0_from_exponent(_mx_exponent(amax, spec.mx_scale_rule))
     scaled = xb.float() / e8m0_decode(scale_codes).unsqueeze(-1)
-    codes = _element_codes(scaled, xb, spec).reshape(x.shape)
+    codes = _element_codes(scaled, spec).reshape(x.shape)
     return QTensor(spec.name, tuple(x.shape), pack_nibbles(codes), scales=scale_codes)
 
 
 def _decode_mx(q: QTensor, spec: CodecSpec) -> torch.Tensor:
     assert spec.element is not None and q.scales is not None
-    values = _blocks(decode_codes(unpack_nibbles(q.codes), spec.element), spec.block)
+    values = _blocks(decode_packed(q.codes, spec.element), spec.block)
     return (values * e8m0_decode(q.scales).unsqueeze(-1)).reshape(q.shape)
 
 
@@ -329,7 +325,7 @@ def _encode_nvfp4_weight(x: torch.Tensor, spec: CodecSpec, s2: torch.Tensor) -> 
     block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
     sf = block_scale.clamp(NVFP4_SCALE_MIN, E4M3_MAX).to(torch.float8_e4m3fn)
     scaled = xb / (sf.float() * s2).unsqueeze(-1)  # FP32: the product, then the division
-    codes = _element_codes(scaled, xb, spec).reshape(x.shape)
+    codes = _element_codes(scaled, spec).reshape(x.shape)
     return QTensor(spec.name, tuple(x.shape), pack_nibbles(codes), scales=sf, global_scale=s2)
 
 
@@ -341,7 +337,7 @@ def _encode_nvfp4_activation(x: torch.Tensor, spec: CodecSpec, input_scale: torc
     sf = sf_value.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)  # __nv_fp8_e4m3 saturates
     sf_f = sf.float()
     out_scale = torch.where(sf_f != 0, 1.0 / (sf_f * (1.0 / gs)), torch.zeros_like(sf_f))
-    codes = _element_codes(xb * out_scale.unsqueeze(-1), xb, spec).reshape(x.shape)
+    codes = _element_codes(xb * out_scale.unsqueeze(-1), spec).reshape(x.shape)
     return QTensor(spec.name, tuple(x.shape), pack_nibbles(codes), scales=sf,
                    global_scale=input_scale)
 
@@ -355,7 +351,7 @@ def _encode_nvfp4(x: torch.Tensor, spec: CodecSpec, global_scale: torch.Tensor |
 
 def _decode_nvfp4(q: QTensor, spec: CodecSpec) -> torch.Tensor:
     assert spec.element is not None and q.scales is not None and q.global_scale is not None
-    values = _blocks(decode_codes(unpack_nibbles(q.codes), spec.element), spec.block)
+    values = _blocks(decode_packed(q.codes, spec.element), spec.block)
     if spec.nvfp4_order == "modelopt_weight":
         per_block = q.scales.float() * q.global_scale  # modelopt: scale · scale_2, then · value
         return (values * per_block.unsqueeze(-1)).reshape(q.shape)

@@ -221,3 +221,34 @@ def test_registry_refuses_unknown_and_lists_valid():
     with pytest.raises(ValueError, match="valid: e2m1, e4m3, e5m2"):
         get_format("e3m3")
     assert set(FORMATS) == {"e2m1", "e4m3", "e5m2"}
+
+
+@pytest.mark.parametrize("ties", ["even", "toward_zero"])
+@pytest.mark.parametrize("fmt", [E2M1, E4M3, E5M2], ids=lambda f: f.name)
+def test_three_encoders_agree_on_every_bf16_pattern(fmt, ties):
+    """encode_codes has a cast path (FP8), a threshold path (4-bit) and an arithmetic path;
+    each must give the same magnitude code for every finite BF16 value below overflow."""
+    from quantize.formats import _magnitude_codes_arith, threshold_codes
+
+    x = _all_bf16()
+    x = x[torch.isfinite(x) & (x.abs() < fmt.max_finite * 1.0625)]  # keep clear of inf overflow
+    arith = _magnitude_codes_arith(x.abs(), fmt, ties)
+    thresh = threshold_codes(x.abs(), fmt, ties)
+    assert torch.equal(arith, thresh)
+    public = encode_codes(x, fmt, ties=ties) & (fmt.sign_bit - 1)
+    assert torch.equal(public, arith)
+
+
+@pytest.mark.parametrize("rule,expected", [("ieee", [0, 8, 0, 8, 8]), ("negative", [0, 0, 0, 8, 8]),
+                                           ("nonpositive", [8, 8, 0, 8, 8])])
+def test_sign_rules_on_zeros(rule, expected):
+    x = torch.tensor([0.0, -0.0, 0.1, -0.1, -1.0])
+    assert (encode_codes(x, E2M1, sign=rule) & 0x8).tolist() == expected
+
+
+def test_decode_packed_matches_unpacked_lookup():
+    from quantize.codecs import unpack_nibbles
+    from quantize.formats import decode_packed
+
+    every = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    assert torch.equal(decode_packed(every, E2M1), decode_codes(unpack_nibbles(every), E2M1))
