@@ -1,0 +1,175 @@
+"""Sampler–trainer divergence metrics: pure tensor functions over per-token records.
+
+Dims: B sequences, T positions, V vocabulary, K candidates. On tokens y drawn from the sampler μ
+and re-scored by the trainer π, the per-token log-ratio is
+
+    r = log π(y) − log μ(y)          (trainer_logprobs − sampler_logprobs)
+
+and the usual estimators of KL(μ‖π) are (Schulman, "Approximating KL divergence", 2020):
+
+    k1 = −r           unbiased, high variance, can be negative per token
+    k2 = r² / 2       biased, low variance
+    k3 = e^r − 1 − r  unbiased and ≥ 0; what most RL frameworks log as "mismatch KL"
+
+The importance ratio w = e^r is what off-policy corrections weigh tokens by; masked importance
+sampling (MIS, the IcePop range) zeroes tokens with w outside [0.5, 5], so the share outside
+that range is the fraction of the batch the correction throws away. Effective sample size is
+(Σw)² / (n Σw²) ∈ (0, 1]. `exact_kl` computes KL(μ‖π) over the whole vocabulary when both sides'
+logits are known, in row and vocabulary chunks so that no [T, V] float32 tensor ever exists.
+
+Every function takes a `mask` [B, T] (1 = a completion token to count) and returns 0-dim or
+per-sequence tensors; nothing calls `.item()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "MIS_LOW",
+    "MIS_HIGH",
+    "log_ratio",
+    "kl_estimators",
+    "ratio_stats",
+    "logprob_diff_stats",
+    "per_sequence",
+    "exact_kl",
+    "top1_agreement",
+    "divergence_summary",
+]
+
+MIS_LOW, MIS_HIGH = 0.5, 5.0  # the IcePop / study MIS range for π/μ (NUMERICS.md §5)
+_MAX_LOG_RATIO = 20.0  # keeps exp(r) finite in float32 for pathological tokens (e^20 ≈ 4.9e8)
+
+
+def _check(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+           mask: torch.Tensor) -> None:
+    if trainer_logprobs.shape != sampler_logprobs.shape or mask.shape != trainer_logprobs.shape:
+        raise ValueError(f"shape mismatch: trainer {tuple(trainer_logprobs.shape)}, sampler "
+                         f"{tuple(sampler_logprobs.shape)}, mask {tuple(mask.shape)}")
+
+
+def log_ratio(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
+    """[B, T] → r = log π − log μ in float64 (the inputs are float32 log-probs; float64 keeps
+    the difference of two nearly equal numbers exact)."""
+    return trainer_logprobs.double() - sampler_logprobs.double()
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp_min(1)
+
+
+def kl_estimators(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                  mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Masked means of k1, k2, k3 over tokens. Inputs [B, T]; outputs 0-dim float64."""
+    _check(trainer_logprobs, sampler_logprobs, mask)
+    r = log_ratio(trainer_logprobs, sampler_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return {
+        "kl_k1": _masked_mean(-r, mask),
+        "kl_k2": _masked_mean(r * r / 2, mask),
+        "kl_k3": _masked_mean(torch.expm1(r) - r, mask),
+    }
+
+
+def ratio_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                mask: torch.Tensor, low: float = MIS_LOW, high: float = MIS_HIGH
+                ) -> dict[str, torch.Tensor]:
+    """Importance ratio w = π/μ over masked tokens: mean, p01/p50/p99, share outside
+    [low, high] (MIS-masked fraction), normalized effective sample size."""
+    _check(trainer_logprobs, sampler_logprobs, mask)
+    r = log_ratio(trainer_logprobs, sampler_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    w = torch.exp(r)[mask.bool()]
+    if w.numel() == 0:
+        nan = torch.tensor(float("nan"), dtype=torch.float64)
+        return {k: nan for k in ("ratio_mean", "ratio_p01", "ratio_p50", "ratio_p99",
+                                 "mis_masked_fraction", "ess")}
+    q = torch.quantile(w, torch.tensor([0.01, 0.5, 0.99], dtype=w.dtype))
+    outside = ((w < low) | (w > high)).double().mean()
+    ess = w.sum() ** 2 / (w.numel() * (w * w).sum())
+    return {"ratio_mean": w.mean(), "ratio_p01": q[0], "ratio_p50": q[1], "ratio_p99": q[2],
+            "mis_masked_fraction": outside, "ess": ess}
+
+
+def logprob_diff_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                       mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """|Δ log p| mean / p99 / max and |Δ p| max over masked tokens."""
+    _check(trainer_logprobs, sampler_logprobs, mask)
+    sel = mask.bool()
+    d = log_ratio(trainer_logprobs, sampler_logprobs).abs()[sel]
+    dp = (trainer_logprobs.double().exp() - sampler_logprobs.double().exp()).abs()[sel]
+    if d.numel() == 0:
+        nan = torch.tensor(float("nan"), dtype=torch.float64)
+        return {k: nan for k in ("abs_logprob_diff_mean", "abs_logprob_diff_p99",
+                                 "abs_logprob_diff_max", "abs_prob_diff_max")}
+    return {"abs_logprob_diff_mean": d.mean(),
+            "abs_logprob_diff_p99": torch.quantile(d, 0.99),
+            "abs_logprob_diff_max": d.max(),
+            "abs_prob_diff_max": dp.max()}
+
+
+def per_sequence(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per sequence [B]: sum of r (the sequence-level log importance ratio) and the geometric
+    mean ratio exp(mean r)."""
+    _check(trainer_logprobs, sampler_logprobs, mask)
+    m = mask.double()
+    r = log_ratio(trainer_logprobs, sampler_logprobs) * m
+    n = m.sum(-1).clamp_min(1)
+    return {"seq_log_ratio_sum": r.sum(-1), "seq_ratio_geomean": torch.exp(r.sum(-1) / n)}
+
+
+def exact_kl(sampler_logits: torch.Tensor, trainer_logits: torch.Tensor, *,
+             row_chunk: int = 256, vocab_chunk: int = 16384) -> torch.Tensor:
+    """Exact KL(μ‖π) per position from logits [N, V] (any float dtype) → [N] float32.
+
+    Two passes over vocabulary chunks per row chunk: an online logsumexp of both sides, then
+    Σ_v μ_v (log μ_v − log π_v). Peak extra memory is a few [row_chunk, vocab_chunk] float32
+    tiles, never [N, V] float32.
+    """
+    if sampler_logits.shape != trainer_logits.shape or sampler_logits.ndim != 2:
+        raise ValueError(f"exact_kl needs two [N, V] logits of one shape, got "
+                         f"{tuple(sampler_logits.shape)} and {tuple(trainer_logits.shape)}")
+    n, v = sampler_logits.shape
+    out = torch.empty(n, dtype=torch.float32, device=sampler_logits.device)
+    for r0 in range(0, n, row_chunk):
+        ls = sampler_logits[r0:r0 + row_chunk]
+        lt = trainer_logits[r0:r0 + row_chunk]
+        lse_s = _chunked_logsumexp(ls, vocab_chunk)  # (n_r,)
+        lse_t = _chunked_logsumexp(lt, vocab_chunk)
+        acc = torch.zeros(ls.shape[0], dtype=torch.float32, device=ls.device)
+        for v0 in range(0, v, vocab_chunk):
+            log_mu = ls[:, v0:v0 + vocab_chunk].float() - lse_s[:, None]
+            log_pi = lt[:, v0:v0 + vocab_chunk].float() - lse_t[:, None]
+            acc += (log_mu.exp() * (log_mu - log_pi)).sum(-1)
+        out[r0:r0 + row_chunk] = acc.clamp_min(0)  # KL ≥ 0; float error can dip below
+    return out
+
+
+def _chunked_logsumexp(logits: torch.Tensor, vocab_chunk: int) -> torch.Tensor:
+    """Online logsumexp over the last dim in chunks: [n, V] → [n] float32."""
+    running_max = torch.full((logits.shape[0],), float("-inf"), device=logits.device)
+    running_sum = torch.zeros(logits.shape[0], device=logits.device)
+    for v0 in range(0, logits.shape[1], vocab_chunk):
+        chunk = logits[:, v0:v0 + vocab_chunk].float()
+        new_max = torch.maximum(running_max, chunk.amax(-1))
+        running_sum = running_sum * torch.exp(running_max - new_max) + \
+            torch.exp(chunk - new_max[:, None]).sum(-1)
+        running_max = new_max
+    return running_max + torch.log(running_sum)
+
+
+def top1_agreement(sampler_top1: torch.Tensor, trainer_top1: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """Share of masked positions where both sides' most likely token is the same. Ids [B, T]."""
+    return _masked_mean((sampler_top1 == trainer_top1).double(), mask)
+
+
+def divergence_summary(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                       mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """All token-level figures in one dict of 0-dim float64 tensors (plus `tokens`)."""
+    out = {"tokens": mask.sum().double()}
+    out.update(kl_estimators(trainer_logprobs, sampler_logprobs, mask))
+    out.update(ratio_stats(trainer_logprobs, sampler_logprobs, mask))
+    out.update(logprob_diff_stats(trainer_logprobs, sampler_logprobs, mask))
+    return out
