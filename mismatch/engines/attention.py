@@ -1,0 +1,103 @@
+"""Attention as the sampler's kernel family computes it: tiled online softmax, BF16 P·V, split-KV.
+
+FlashAttention-style kernels never form the full score matrix: they walk the keys in tiles,
+keep a running row max m and row sum l in FP32, rescale the FP32 output accumulator when m
+grows, and — the habit that matters for mismatch — cast the probabilities P to the input dtype
+(BF16) before the P·V matmul (FlashAttention-2 `flash_fwd_kernel.h`, FlashAttention-3 and
+FlashInfer do the same). Decoding a single query with a long cache, they split the keys across
+thread blocks ("split-KV" / flash-decoding) and merge the partial (m, l, O) in FP32. The trainer
+side instead runs a reference attention (torch SDPA), so the two differ by reduction order and
+by where P is rounded: the attention part of the "kernels" mismatch source.
+
+Tile sizes per family (keys per tile; decode splits) are typical values from the public kernels:
+FA2 128, FA3 128 (Hopper), FlashInfer 64, TRT-LLM 128, with up to 4 KV splits when decoding.
+The KV cache may be stored in FP8 E4M3 with a per-tensor scale; serving engines default that
+scale to 1.0 when the checkpoint has none (NUMERICS.md §1.2), which is what `kv_scale=1.0` means.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KernelFamily", "KERNEL_FAMILIES", "tiled_attention", "quantize_kv"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelFamily:
+    """Tiling habits of one attention kernel family."""
+
+    name: str
+    """Family name as in mismatch.profiles."""
+    tile_k: int
+    """Keys per tile of the online softmax."""
+    decode_splits: int
+    """KV splits when a single query attends to a long cache (1: no split)."""
+    p_in_input_dtype: bool = True
+    """Cast P to the input dtype before P·V (FlashAttention's habit)."""
+
+
+KERNEL_FAMILIES: dict[str, KernelFamily] = {k.name: k for k in (
+    KernelFamily(name="fa2", tile_k=128, decode_splits=4),
+    KernelFamily(name="fa3", tile_k=128, decode_splits=4),
+    KernelFamily(name="flashinfer", tile_k=64, decode_splits=4),
+    KernelFamily(name="trtllm", tile_k=128, decode_splits=4),
+)}
+
+
+def quantize_kv(x: torch.Tensor, kv_scale: float = 1.0) -> torch.Tensor:
+    """Store-and-load through an FP8 E4M3 KV cache with a per-tensor scale: [...] → [...] x.dtype."""
+    y = (x.float() / kv_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (y.float() * kv_scale).to(x.dtype)
+
+
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+             scale: float, family: KernelFamily):
+    """Online softmax over key tiles. q: [B, H, Tq, D], k/v: [B, H, Tk, D], allowed:
+    [B, 1|H, Tq, Tk] bool → (m [B,H,Tq], l [B,H,Tq], o [B,H,Tq,D]) unnormalized, FP32."""
+    b, h, tq, d = q.shape
+    m = torch.full((b, h, tq), -math.inf, dtype=torch.float32, device=q.device)
+    l = torch.zeros((b, h, tq), dtype=torch.float32, device=q.device)
+    o = torch.zeros((b, h, tq, v.shape[-1]), dtype=torch.float32, device=q.device)
+    qf = q.float()
+    for k0 in range(0, k.shape[2], family.tile_k):
+        kt = k[:, :, k0:k0 + family.tile_k].float()
+        vt = v[:, :, k0:k0 + family.tile_k]
+        s = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # (B, H, Tq, tile)
+        s = s.masked_fill(~allowed[..., k0:k0 + family.tile_k], -math.inf)
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe[..., None])
+        alpha = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf), m - m_safe))
+        l = l * alpha + p.sum(-1)
+        if family.p_in_input_dtype:
+            p = p.to(v.dtype)  # rounded before P·V, products then exact in FP32
+        o = o * alpha[..., None] + torch.matmul(p.float(), vt.float())
+        m = m_new
+    return m, l, o
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    allowed: torch.Tensor, scale: float, family: KernelFamily) -> torch.Tensor:
+    """q: [B, H, Tq, D]; k, v: [B, H, Tk, D] (GQA already expanded); allowed: bool mask
+    broadcastable to [B, H, Tq, Tk] → output [B, H, Tq, D] in q.dtype."""
+    splits = family.decode_splits if q.shape[2] == 1 else 1
+    tk = k.shape[2]
+    per = max(family.tile_k, math.ceil(tk / splits / family.tile_k) * family.tile_k)
+    parts = [_partial(q, k[:, :, s0:s0 + per], v[:, :, s0:s0 + per],
+                      allowed[..., s0:s0 + per], scale, family) for s0 in range(0, tk, per)]
+    if len(parts) == 1:
+        m, l, o = parts[0]
+    else:  # merge the split-KV partials in FP32, as the flash-decoding combine kernel does
+        m = torch.stack([p[0] for p in parts]).amax(0)
+        m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        l = torch.zeros_like(m)
+        o = torch.zeros_like(parts[0][2])
+        for pm, pl, po in parts:
+            w = torch.exp(torch.where(torch.isinf(pm), torch.full_like(pm, -math.inf), pm - m_safe))
+            l = l + pl * w
+            o = o + po * w[..., None]
+    out = o / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return out.to(q.dtype)

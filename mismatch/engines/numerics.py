@@ -1,0 +1,246 @@
+"""Apply a NumericsSpec to a Hugging Face model, reversibly: formats, GEMMs, KV cache, attention.
+
+`apply_numerics(model, spec, calibration)` is a context manager. Inside it:
+
+- every linear layer of the decoder (attention projections, dense MLPs, and each expert slice of
+  fused 3-D MoE expert weights) runs as the target kernel does: weights decoded from the real
+  storage of `spec.weight_codec` (quantize/), activations quantized with `spec.activation_codec`
+  at a static per-tensor scale calibrated beforehand (modelopt's `input_scale`; fused q/k/v and
+  experts of one layer share it, as serving engines take the max), products exact and summed in
+  FP32 (or by `spec.accumulation`'s model), output rounded once to the compute dtype — the
+  shape of a GPU GEMM, whatever CPU kernel torch would have picked. Routers, embeddings and
+  lm_head stay in the compute dtype, as modelopt excludes them.
+- attention runs through `attention.tiled_attention` with the spec's kernel family (or torch
+  SDPA for the reference), with the KV cache stored in FP8 when `spec.kv_codec` says so.
+
+Linear layers are intercepted with a TorchFunctionMode on `F.linear`, keyed by the weight's
+storage address, so the model's own forward code (including transformers' fused-expert loop) is
+untouched; everything is restored in `finally`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from quantize import decode, encode
+from quantize.accumulate import accumulate_matmul
+from quantize.formats import decode_codes, get_format
+
+from ..profiles import NumericsSpec
+from .attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attention
+
+__all__ = ["apply_numerics", "calibrate", "quantizable_weights", "ATTN_IMPL"]
+
+ATTN_IMPL = "mismatch_emulated"
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Activation global scale: amax maps to the format's largest code times its block-scale range.
+_ACT_SCALE_DIVISOR = {"fp8-act": 448.0, "nvfp4-act": 6.0 * 448.0}
+
+
+def quantizable_weights(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Groups of weights that share a global scale: {group: [(name, weight [N, K]), ...]}.
+
+    q/k/v of one attention share; gate/up of a dense MLP share; each expert's fused gate_up and
+    down slices form their own groups. lm_head, embeddings and MoE routers are excluded.
+    """
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, module in model.named_modules():
+        if ".layers." not in f".{name}." and not name.startswith("layers."):
+            continue
+        if isinstance(module, torch.nn.Linear):
+            leaf = name.rsplit(".", 1)[-1]
+            parent = name.rsplit(".", 1)[0]
+            if leaf in ("q_proj", "k_proj", "v_proj"):
+                key = f"{parent}.qkv"
+            elif leaf in ("gate_proj", "up_proj"):
+                key = f"{parent}.gate_up"
+            elif leaf == "gate":  # a router kept as nn.Linear in some versions
+                continue
+            else:
+                key = name
+            groups.setdefault(key, []).append((name, module.weight))
+        elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and \
+                isinstance(getattr(module, "gate_up_proj"), torch.nn.Parameter):
+            for e in range(module.gate_up_proj.shape[0]):
+                groups[f"{name}.{e}.gate_up"] = [(f"{name}.{e}.gate_up_proj",
+                                                  module.gate_up_proj[e])]
+                groups[f"{name}.{e}.down"] = [(f"{name}.{e}.down_proj", module.down_proj[e])]
+    return groups
+
+
+def _act_group(group: str) -> str:
+    """Activation scales are shared by q/k/v (same input) and across the experts of a layer."""
+    parts = group.split(".")
+    if len(parts) >= 2 and parts[-2].isdigit():  # <experts>.<e>.<gate_up|down>
+        return ".".join(parts[:-2] + [parts[-1]])
+    return group
+
+
+@dataclass
+class _Linear:
+    """One quantized linear weight, ready to run."""
+
+    weight: torch.Tensor  # [N, K] float32, decoded
+    act_key: str
+    weight_elems: torch.Tensor | None = None  # [N, K] FP8 element values (accumulation model)
+    weight_scale: torch.Tensor | None = None
+
+
+class _LinearMode(TorchFunctionMode):
+    def __init__(self, table: dict[int, _Linear], spec: NumericsSpec | None,
+                 act_scales: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None):
+        super().__init__()
+        self.table, self.spec, self.act_scales, self.amax = table, spec, act_scales, amax
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        entry = self.table.get(w.data_ptr())
+        if entry is None or tuple(entry.weight.shape) != tuple(w.shape):
+            return func(*args, **kwargs)
+        if self.amax is not None:  # calibration: record, compute as usual
+            a = x.detach().abs().amax().float()
+            prev = self.amax.get(entry.act_key)
+            self.amax[entry.act_key] = a if prev is None else torch.maximum(prev, a)
+            return func(*args, **kwargs)
+        return self._run(x, entry, bias)
+
+    def _run(self, x: torch.Tensor, entry: _Linear, bias: torch.Tensor | None) -> torch.Tensor:
+        spec = self.spec
+        assert spec is not None
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        codec = spec.activation_codec
+        if codec is not None and x2.shape[0] > 0:
+            scale = self.act_scales[entry.act_key]
+            q = encode(x2, codec, global_scale=scale, validate=False)
+            if entry.weight_elems is not None:  # FP8 GEMM with a limited accumulator
+                elems = decode_codes(q.codes, get_format("e4m3"))
+                y = accumulate_matmul(elems, entry.weight_elems.t(), spec.accumulation)
+                y = y * (q.scales * entry.weight_scale)
+            else:
+                y = F.linear(decode(q), entry.weight)
+        else:
+            y = F.linear(x2.float(), entry.weight)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+
+
+def _build_table(model: torch.nn.Module, spec: NumericsSpec) -> dict[int, _Linear]:
+    table: dict[int, _Linear] = {}
+    fp8_acc = spec.activation_codec == "fp8-act" and spec.accumulation != "fp32"
+    for group, members in quantizable_weights(model).items():
+        act_key = _act_group(group)
+        if spec.weight_codec is None:
+            for _, w in members:
+                table[w.data_ptr()] = _Linear(weight=w.detach().float(), act_key=act_key)
+            continue
+        amax = torch.stack([w.detach().abs().amax().float() for _, w in members]).max()
+        divisor = 448.0 if spec.weight_codec == "fp8" else 6.0 * 448.0
+        shared = torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
+        for _, w in members:
+            is_block = spec.weight_codec.startswith(("nvfp4", "w4a16"))
+            gs = shared if (is_block or spec.weight_codec == "fp8") else None
+            q = encode(w.detach(), spec.weight_codec, global_scale=gs)
+            entry = _Linear(weight=decode(q), act_key=act_key)
+            if fp8_acc and spec.weight_codec == "fp8":
+                entry.weight_elems = decode_codes(q.codes, get_format("e4m3"))
+                entry.weight_scale = q.scales
+            table[w.data_ptr()] = entry
+    return table
+
+
+# ------------------------------------------------------------------------------------ attention
+
+_ACTIVE: list[tuple[KernelFamily | None, bool]] = []
+
+
+def _emulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                        **kwargs):
+    family, kv_fp8 = _ACTIVE[-1] if _ACTIVE else (None, False)
+    if kv_fp8:
+        key, value = quantize_kv(key), quantize_kv(value)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    tq, tk = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        allowed = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
+        allowed = allowed[None, None]
+    elif attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    else:
+        allowed = attention_mask == 0
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if family is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
+    else:
+        out = tiled_attention(query, key, value, allowed, scale, family)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPL, _emulated_attention)
+    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _attention(model: torch.nn.Module, family: KernelFamily | None, kv_fp8: bool):
+    _register_attention()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTN_IMPL
+    _ACTIVE.append((family, kv_fp8))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+        config._attn_implementation = previous
+
+
+# ------------------------------------------------------------------------------------ public
+
+
+@torch.no_grad()
+def calibrate(model: torch.nn.Module, spec: NumericsSpec, batches) -> dict[str, torch.Tensor]:
+    """Static activation scales for `spec.activation_codec`: run `batches` (an iterable of
+    (input_ids, attention_mask)) through the model as it is, record each linear input's amax,
+    and divide by the codec's range. Returns {activation group: float32 scale}."""
+    if spec.activation_codec is None:
+        return {}
+    table = _build_table(model, spec)
+    amax: dict[str, torch.Tensor] = {}
+    with _LinearMode(table, None, {}, amax):
+        for input_ids, attention_mask in batches:
+            model(input_ids=input_ids, attention_mask=attention_mask)
+    divisor = _ACT_SCALE_DIVISOR.get(spec.activation_codec, 1.0)
+    return {k: torch.where(v > 0, v / divisor, torch.ones_like(v)) for k, v in amax.items()}
+
+
+@contextlib.contextmanager
+def apply_numerics(model: torch.nn.Module, spec: NumericsSpec, act_scales=None, *,
+                   kernels: bool = True):
+    """Run `model` with `spec`'s numerics inside the block. kernels=False keeps the reference
+    attention (torch SDPA) and emulates formats only (the "precision" configuration)."""
+    table = _build_table(model, spec)
+    family = KERNEL_FAMILIES.get(spec.attention) if kernels else None
+    needs = spec.activation_codec is not None
+    if needs and not act_scales:
+        raise ValueError(f"{spec.label}: activation quantization needs calibrated scales; "
+                         f"call calibrate() first")
+    with _attention(model, family, spec.kv_codec is not None), \
+            _LinearMode(table, spec, act_scales or {}, None):
+        yield

@@ -1,0 +1,148 @@
+"""The emulated sampler: batched KV-cache generation that reports log-probs as engines do.
+
+Generation runs the decode path a serving engine runs — a prefill of the (left-padded) prompts,
+then one token per step against the KV cache — under whatever numerics are active
+(`numerics.apply_numerics`). For every sampled token it records the raw log-prob (temperature 1,
+full vocabulary: what the trainer's log π is compared with), the processed log-prob (under the
+distribution actually sampled from, after temperature / top-k / top-p: what vLLM calls
+"processed_logprobs" and a known source of spurious mismatch when confused with the raw one),
+and the top-K candidates of the raw distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ..records import Rollout
+from .scorer import position_ids, record_routing
+
+__all__ = ["SamplingParams", "generate", "process_logits"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How tokens are drawn."""
+
+    max_new_tokens: int = 64
+    """Tokens to generate per prompt at most."""
+    temperature: float = 1.0
+    """Softmax temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass kept (1: no truncation)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0: no truncation)."""
+    candidates: int = 8
+    """Top-K candidates of the raw distribution recorded per position."""
+    seed: int = 0
+    """Seed of the sampling generator."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.candidates < 1:
+            raise ValueError(f"top_k must be >= 0 and candidates >= 1, got {self.top_k}, "
+                             f"{self.candidates}")
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[B, V] FP32 logits → [B, V] log-probs of the sampling distribution (−inf outside it)."""
+    if params.temperature == 0:
+        out = torch.full_like(logits, float("-inf"))
+        return out.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
+    z = logits / params.temperature
+    if params.top_k:
+        kth = z.topk(min(params.top_k, z.shape[-1]), dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        # keep a token if the mass before it is < top_p (the first token is always kept)
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+        z = torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
+    return torch.log_softmax(z, dim=-1)
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *,
+             pad_id: int, eos_ids: set[int], label: str, mode: str = "emulated",
+             with_routing: bool = True) -> Rollout:
+    """Sample completions for token-id prompts under the numerics active on `model`."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and no empty prompt")
+    b, p = len(prompts), max(len(x) for x in prompts)
+    ids = torch.full((b, p), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, p), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, p - len(prompt):] = torch.tensor(prompt)
+        mask[i, p - len(prompt):] = 1
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    g = torch.Generator(device=device).manual_seed(params.seed)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    raw_lp, proc_lp, cand_ids, cand_lp, done_masks, tokens = [], [], [], [], [], []
+    routing: list[list[torch.Tensor]] = []
+    ctx = record_routing(model, routing) if with_routing else contextlib.nullcontext()
+    with ctx:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                    use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        finished = torch.zeros(b, dtype=torch.bool, device=device)
+        for _ in range(params.max_new_tokens):
+            logits = out.logits[:, -1].float()
+            raw = torch.log_softmax(logits, dim=-1)
+            proc = process_logits(logits, params)
+            token = torch.multinomial(proc.exp(), 1, generator=g)[:, 0]
+            token = torch.where(finished, torch.full_like(token, pad_id), token)
+            live = ~finished
+            raw_lp.append(raw.gather(-1, token[:, None])[:, 0])
+            proc_lp.append(proc.gather(-1, token[:, None])[:, 0])
+            top = raw.topk(min(params.candidates, raw.shape[-1]), dim=-1)
+            cand_ids.append(top.indices)
+            cand_lp.append(top.values)
+            done_masks.append(live.float())
+            tokens.append(token)
+            finished = finished | torch.isin(token, eos)
+            mask = torch.cat([mask, live.long()[:, None]], dim=1)
+            if bool(finished.all()):
+                break
+            out = model(input_ids=token[:, None], attention_mask=mask,
+                        position_ids=position_ids(mask)[:, -1:], past_key_values=cache,
+                        use_cache=True)
+            cache = out.past_key_values
+    n = len(tokens)
+    ids, mask = ids.cpu(), mask.cpu()
+    tokens, done_masks = [x.cpu() for x in tokens], [x.cpu() for x in done_masks]
+    raw_lp, proc_lp = [x.cpu() for x in raw_lp], [x.cpu() for x in proc_lp]
+    cand_ids, cand_lp = [x.cpu() for x in cand_ids], [x.cpu() for x in cand_lp]
+    routing = [[c.cpu() for c in calls] for calls in routing]
+    zeros = torch.zeros(b, p)
+    k = cand_ids[0].shape[-1]
+    rollout = Rollout(
+        token_ids=torch.cat([ids, torch.stack(tokens, 1)], dim=1),
+        attention_mask=mask[:, :p + n],
+        completion_mask=torch.cat([zeros, torch.stack(done_masks, 1)], dim=1),
+        sampler_logprobs=torch.cat([zeros, torch.stack(raw_lp, 1)], dim=1),
+        sampler_logprobs_processed=torch.cat([zeros, torch.stack(proc_lp, 1)], dim=1),
+        candidate_ids=torch.cat([torch.zeros(b, p, k, dtype=torch.long),
+                                 torch.stack(cand_ids, 1)], dim=1),
+        candidate_logprobs=torch.cat([torch.zeros(b, p, k), torch.stack(cand_lp, 1)], dim=1),
+        sampler=label, mode=mode, meta={"prompt_width": p})
+    if routing and all(r for r in routing):
+        # per layer: the prefill call [B·P, k], then one [B, k] call per generated token but
+        # the last (whose KV was never needed) — so the last generated position has no routing
+        per_layer = []
+        for calls in routing:
+            steps = [calls[0].view(b, p, -1)] + [c.view(b, 1, -1) for c in calls[1:]]
+            seq = torch.cat(steps, dim=1)
+            pad = torch.full((b, p + n - seq.shape[1], seq.shape[-1]), -1, dtype=torch.long)
+            per_layer.append(torch.cat([seq, pad], dim=1))
+        rollout.routed_experts = torch.stack(per_layer, dim=2)
+    return rollout

@@ -1,0 +1,81 @@
+"""The trainer side: a teacher-forced forward that scores given tokens.
+
+Per-token log-probs are computed from the final hidden states in row chunks through lm_head
+with an FP32 logsumexp, so at most a [chunk, V] FP32 tile exists at once (at V = 152k and
+T = 256k a full [T, V] FP32 tensor would be 150 GB). MoE routing decisions are recorded from the
+routers' outputs with forward hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..records import Rollout, Scores
+
+__all__ = ["score", "position_ids", "record_routing"]
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] positions that skip left padding (what the sampler used)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules()
+            if hasattr(m, "top_k") and hasattr(m, "num_experts") and hasattr(m, "weight")
+            and isinstance(getattr(m, "weight"), torch.nn.Parameter)]
+
+
+@contextlib.contextmanager
+def record_routing(model: torch.nn.Module, sink: list[list[torch.Tensor]]):
+    """Append each router call's chosen experts [N, k] to sink[layer] while inside."""
+    routers = _routers(model)
+    sink.extend([] for _ in routers)
+    handles = []
+    for i, router in enumerate(routers):
+        def hook(_module, _inputs, output, i=i):
+            sink[i].append(output[-1].detach())  # (router_logits, scores, indices)
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
+          with_routing: bool = True) -> Scores:
+    """Teacher-forced log-probs of rollout.token_ids under `model` as it is configured now."""
+    ids, mask = rollout.token_ids, rollout.attention_mask
+    b, t = ids.shape
+    routing: list[list[torch.Tensor]] = []
+    ctx = record_routing(model, routing) if with_routing else contextlib.nullcontext()
+    with ctx:
+        hidden = model.model(input_ids=ids, attention_mask=mask,
+                             position_ids=position_ids(mask)).last_hidden_state  # (B, T, H)
+    head = model.get_output_embeddings()
+    flat = hidden[:, :-1].reshape(b * (t - 1), -1)  # position t predicts token t + 1
+    targets = ids[:, 1:].reshape(-1)
+    cand = rollout.candidate_ids[:, 1:].reshape(b * (t - 1), -1)
+    lp = torch.empty(b * (t - 1), dtype=torch.float32)
+    top1 = torch.empty(b * (t - 1), dtype=torch.long)
+    cand_lp = torch.empty(cand.shape, dtype=torch.float32)
+    for r0 in range(0, flat.shape[0], row_chunk):
+        logits = head(flat[r0:r0 + row_chunk]).float()  # (chunk, V) FP32 tile
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        lp[r0:r0 + row_chunk] = (logits.gather(-1, targets[r0:r0 + row_chunk, None]) - lse)[:, 0]
+        top1[r0:r0 + row_chunk] = logits.argmax(-1)
+        cand_lp[r0:r0 + row_chunk] = logits.gather(-1, cand[r0:r0 + row_chunk]) - lse
+    pad_f = torch.zeros(b, 1)
+    logprobs = torch.cat([pad_f, lp.view(b, t - 1)], dim=1)
+    top1_ids = torch.cat([torch.zeros(b, 1, dtype=torch.long), top1.view(b, t - 1)], dim=1)
+    cand_out = torch.cat([torch.zeros(b, 1, cand.shape[-1]), cand_lp.view(b, t - 1, -1)], dim=1)
+    routed = None
+    if routing and all(len(r) == 1 for r in routing):
+        # each router saw all B·T tokens once: [B·T, k] per layer → [B, T, L, k]
+        routed = torch.stack([r[0].view(b, t, -1) for r in routing], dim=2)
+    return Scores(logprobs=logprobs, top1_ids=top1_ids, candidate_logprobs=cand_out,
+                  routed_experts=routed)

@@ -1,0 +1,190 @@
+"""Accelerator profiles: what a sampler on a given GPU actually computes for a given precision.
+
+`resolve(gpu, dtype, kv_cache)` turns a user's (GPU, precision) into a `NumericsSpec`: which codec
+the weights are stored in, what the activations are quantized to before the GEMM (if anything),
+the accumulation model of the GEMM, the KV-cache format and the attention kernel family. The facts
+are NUMERICS.md §2 (and the public serving stacks it summarizes):
+
+- A100 (sm80) has no tensor cores below BF16/FP16: an FP8 or NVFP4/MXFP4 checkpoint runs as a
+  Marlin weight-only kernel (weights dequantized to BF16 in registers, activations BF16).
+- H100/H200 (sm90) run FP8 natively (W8A8); per-tensor FP8 GEMMs use "fast accumulation"
+  (no FP32 promotion). FP4 checkpoints run as Marlin W4A16.
+- B200/B300 (sm100) run FP8, NVFP4 and MXFP4 natively; NVFP4 W4A4 quantizes activations in
+  dynamic 16-element blocks (the serving kernel's order).
+- RTX PRO 6000 (sm120) runs FP8 and FP4 natively.
+
+`--dtype` names the precision the sampler serves in: `nvfp4` is W4A4 NVFP4 (Blackwell only);
+`w4a16-nvfp4` keeps activations in BF16; `fp8` is an FP8 checkpoint, W8A8 where the GPU has FP8
+tensor cores and Marlin W8A16 where it does not; `mxfp4` is W4A4 MXFP4 on Blackwell and Marlin
+W4A16 elsewhere. A pair no kernel serves (A100 + nvfp4) is an error that lists what that GPU can run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+__all__ = ["GPUS", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec", "ProfileError", "resolve", "trainer_spec",
+           "table", "natural_pairs", "TRAINER"]
+
+AttentionKernel = Literal["fa2", "fa3", "flashinfer", "trtllm", "reference"]
+
+
+class ProfileError(ValueError):
+    """An unknown GPU or precision, or a pair no kernel serves."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuProfile:
+    """One accelerator: its architecture and the kernels a sampler uses on it."""
+
+    name: str
+    """CLI name."""
+    arch: str
+    """Compute capability family."""
+    native: frozenset[str]
+    """Low-precision element formats its tensor cores take as GEMM operands."""
+    attention: AttentionKernel
+    """The attention kernel family serving stacks pick on it."""
+    cuda_names: tuple[str, ...]
+    """Substrings of `torch.cuda.get_device_name()` that identify it (for measured mode)."""
+
+
+GPUS: dict[str, GpuProfile] = {g.name: g for g in (
+    GpuProfile(name="a100", arch="sm80", native=frozenset(), attention="fa2",
+               cuda_names=("A100",)),
+    GpuProfile(name="h100", arch="sm90", native=frozenset({"fp8"}), attention="fa3",
+               cuda_names=("H100",)),
+    GpuProfile(name="h200", arch="sm90", native=frozenset({"fp8"}), attention="fa3",
+               cuda_names=("H200",)),
+    GpuProfile(name="b200", arch="sm100", native=frozenset({"fp8", "nvfp4", "mxfp4"}),
+               attention="trtllm", cuda_names=("B200",)),
+    GpuProfile(name="b300", arch="sm100", native=frozenset({"fp8", "nvfp4", "mxfp4"}),
+               attention="trtllm", cuda_names=("B300",)),
+    GpuProfile(name="rtx-pro-6000", arch="sm120", native=frozenset({"fp8", "nvfp4", "mxfp4"}),
+               attention="flashinfer", cuda_names=("RTX PRO 6000",)),
+)}
+
+DTYPES = ("bf16", "fp16", "fp8", "w4a16-nvfp4", "nvfp4", "mxfp4")
+KV_CACHES = ("bf16", "fp8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NumericsSpec:
+    """Everything that decides a sampler's (or trainer's) numerics."""
+
+    gpu: str
+    """GPU profile name ("cpu-reference" for the trainer side)."""
+    dtype: str
+    """Serving precision as the user named it."""
+    kv_cache: str
+    """KV-cache storage: "bf16" (the compute dtype) or "fp8"."""
+    compute_dtype: Literal["bf16", "fp16", "fp32"]
+    """Dtype of activations between kernels."""
+    weight_codec: str | None
+    """quantize/ codec the weights are stored in (None: the compute dtype itself)."""
+    activation_codec: str | None
+    """codec activations are quantized to before each linear layer (None: none, W*A16)."""
+    accumulation: str
+    """quantize.accumulate preset of the low-precision GEMM ("fp32" for BF16/FP16/Marlin)."""
+    kv_codec: str | None
+    """codec of the KV cache (None: kept in the compute dtype)."""
+    attention: AttentionKernel
+    """Attention kernel family."""
+    kernel_path: str
+    """One line saying what runs, for reports."""
+
+    @property
+    def label(self) -> str:
+        kv = f", kv {self.kv_cache}" if self.kv_cache != self.compute_dtype else ""
+        return f"{self.gpu} {self.dtype}{kv}"
+
+
+# The trainer side: teacher-forced BF16 forward with a reference attention (the study's trainer
+# is BF16 on B200 running Megatron; on CPU it is torch's own kernels).
+TRAINER = NumericsSpec(gpu="trainer", dtype="bf16", kv_cache="bf16", compute_dtype="bf16",
+                       weight_codec=None, activation_codec=None, accumulation="fp32",
+                       kv_codec=None, attention="reference",
+                       kernel_path="BF16 teacher-forced forward (reference attention)")
+
+
+def _need(name: str, choices, what: str) -> str:
+    key = name.lower().replace("_", "-")
+    if key not in choices:
+        raise ProfileError(f"unknown {what} {name!r}; valid: {', '.join(choices)}")
+    return key
+
+
+def _can_run(gpu: GpuProfile) -> list[str]:
+    return [d for d in DTYPES if _serving(gpu, d) is not None]
+
+
+def _serving(gpu: GpuProfile, dtype: str) -> tuple[str, str | None, str | None, str, str] | None:
+    """(compute dtype, weight codec, activation codec, accumulation, kernel path), or None when
+    no kernel serves `dtype` on `gpu`."""
+    if dtype in ("bf16", "fp16"):
+        return dtype, None, None, "fp32", f"{dtype.upper()} GEMMs, FP32 accumulate"
+    if dtype == "fp8":
+        if "fp8" in gpu.native:
+            fast = "hopper-fp8-fast" if gpu.arch == "sm90" else "fp32"
+            note = " with fast accumulation" if gpu.arch == "sm90" else ""
+            return "bf16", "fp8", "fp8-act", fast, f"FP8 W8A8 per-tensor{note}"
+        return "bf16", "fp8", None, "fp32", "Marlin W8A16 (FP8 weights dequantized to BF16)"
+    if dtype == "w4a16-nvfp4":
+        return "bf16", "w4a16-nvfp4", None, "fp32", "W4A16 NVFP4 (Marlin / weight-only)"
+    if dtype == "nvfp4":
+        if "nvfp4" in gpu.native:
+            return "bf16", "nvfp4", "nvfp4-act", "fp32", "NVFP4 W4A4, dynamic 16-blocks"
+        return None
+    if dtype == "mxfp4":
+        if "mxfp4" in gpu.native:
+            return "bf16", "mxfp4-rceil", "mxfp4-rceil", "fp32", "MXFP4 W4A4 (RCEIL scales)"
+        return "bf16", "mxfp4-rceil", None, "fp32", "Marlin W4A16 (MXFP4 weights)"
+    return None
+
+
+_WHY_NOT = {"nvfp4": "NVFP4 W4A4 needs Blackwell FP4 tensor cores"}
+
+
+def resolve(gpu: str, dtype: str, kv_cache: str | None = None) -> NumericsSpec:
+    """The sampler numerics of (gpu, dtype[, kv_cache]); kv_cache defaults to the compute dtype."""
+    g = GPUS[_need(gpu, GPUS, "gpu")]
+    d = _need(dtype, DTYPES, "dtype")
+    serving = _serving(g, d)
+    if serving is None:
+        raise ProfileError(f"{g.name} cannot run {d}: {_WHY_NOT.get(d, 'no kernel serves it')}; "
+                           f"{g.name} can run: {', '.join(_can_run(g))}")
+    compute, wcodec, acodec, acc, path = serving
+    kv = compute if kv_cache is None else _need(kv_cache, KV_CACHES, "kv cache")
+    if kv == "bf16" and compute == "fp16":
+        kv = "fp16"
+    return NumericsSpec(gpu=g.name, dtype=d, kv_cache=kv, compute_dtype=compute,  # type: ignore[arg-type]
+                        weight_codec=wcodec, activation_codec=acodec, accumulation=acc,
+                        kv_codec="fp8-act" if kv == "fp8" else None, attention=g.attention,
+                        kernel_path=path + (", FP8 KV cache" if kv == "fp8" else ""))
+
+
+def trainer_spec(dtype: str = "bf16") -> NumericsSpec:
+    """The trainer side in BF16 (default) or FP16."""
+    d = _need(dtype, ("bf16", "fp16"), "trainer dtype")
+    return replace(TRAINER, dtype=d, kv_cache=d, compute_dtype=d,  # type: ignore[arg-type]
+                   kernel_path=f"{d.upper()} teacher-forced forward (reference attention)")
+
+
+def table() -> list[NumericsSpec | tuple[str, str, str]]:
+    """Every (gpu, dtype) pair: the spec, or (gpu, dtype, reason) where it cannot run."""
+    rows: list[NumericsSpec | tuple[str, str, str]] = []
+    for g in GPUS:
+        for d in DTYPES:
+            try:
+                rows.append(resolve(g, d))
+            except ProfileError as exc:
+                rows.append((g, d, str(exc).split(";")[0]))
+    return rows
+
+
+def natural_pairs() -> list[tuple[str, str]]:
+    """The study's fleet: each GPU at the precisions it served (B200/B300 NVFP4; H100/H200 FP8 and
+    BF16; A100 and RTX PRO 6000 BF16)."""
+    return [("b200", "nvfp4"), ("b300", "nvfp4"), ("h100", "fp8"), ("h100", "bf16"),
+            ("h200", "fp8"), ("h200", "bf16"), ("a100", "bf16"), ("rtx-pro-6000", "bf16")]

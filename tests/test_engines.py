@@ -1,0 +1,159 @@
+"""Engines on a tiny random Qwen3-MoE: attention emulation, numerics, sampler and scorer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mismatch.engines.attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attention
+from mismatch.engines.numerics import ATTN_IMPL, apply_numerics, calibrate, quantizable_weights
+from mismatch.engines.sampler import SamplingParams, generate, process_logits
+from mismatch.engines.scorer import score
+from mismatch.metrics import kl_estimators
+from mismatch.profiles import resolve
+from quantize import decode, encode
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, num_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=256)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)  # peakier next-token distributions than the default init
+    return model
+
+
+PROMPTS = [[5, 9, 13, 200, 7], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+
+
+def _reference_attention(q, k, v, allowed, scale):
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, -math.inf)
+    return torch.softmax(s, -1) @ v.double()
+
+
+@pytest.mark.parametrize("tq,tk", [(7, 7), (1, 300), (5, 260)])
+def test_tiled_attention_matches_float64_reference(tq, tk):
+    g = torch.Generator().manual_seed(tq * 1000 + tk)
+    q, k, v = (torch.randn(2, 3, t, 32, generator=g) for t in (tq, tk, tk))
+    allowed = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)[None, None].expand(2, 1, tq, tk)
+    allowed = allowed.clone()
+    allowed[1, :, :, :3] = False  # left padding in the second sequence
+    ref = _reference_attention(q, k, v, allowed, 0.17)
+    live = allowed.any(-1, keepdim=True).expand_as(ref[..., :1]).expand_as(ref)  # padded queries
+    ref = torch.where(live, ref, torch.zeros_like(ref))  # fully masked rows: 0, as kernels give
+    exact_family = KernelFamily(name="t", tile_k=64, decode_splits=3, p_in_input_dtype=False)
+    out = tiled_attention(q, k, v, allowed, 0.17, exact_family)
+    assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5)
+    # with BF16 inputs and P rounded to BF16 before P·V (FlashAttention's habit) it stays close
+    bf = tiled_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), allowed, 0.17,
+                         KERNEL_FAMILIES["fa2"])
+    assert bf.dtype == torch.bfloat16
+    assert torch.allclose(bf.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_quantize_kv_is_an_fp8_round_trip():
+    x = torch.tensor([0.1, -3.3, 500.0, 1e-4]).bfloat16()
+    ref = x.float().clamp(-448, 448).to(torch.float8_e4m3fn).float().bfloat16()
+    assert torch.equal(quantize_kv(x), ref)
+
+
+def test_quantizable_weights_group_and_exclude(tiny_moe):
+    groups = quantizable_weights(tiny_moe)
+    assert "model.layers.0.self_attn.qkv" in groups
+    assert len(groups["model.layers.0.self_attn.qkv"]) == 3
+    assert "model.layers.1.mlp.experts.7.gate_up" in groups
+    names = [n for members in groups.values() for n, _ in members]
+    assert not any("lm_head" in n or "embed" in n or n.endswith("mlp.gate") for n in names)
+
+
+def test_weight_only_linear_uses_decoded_codec_weights(tiny_moe):
+    spec = resolve("h100", "w4a16-nvfp4")
+    proj = tiny_moe.model.layers[0].self_attn.o_proj
+    x = torch.randn(3, proj.in_features).bfloat16()
+    with apply_numerics(tiny_moe, spec):
+        y = proj(x)
+    w = proj.weight.detach()
+    ref = (x.float() @ decode(encode(w, "w4a16-nvfp4",
+                                     global_scale=w.float().abs().amax() / 2688)).t()).bfloat16()
+    assert torch.equal(y, ref)
+    assert tiny_moe.config._attn_implementation != ATTN_IMPL  # restored
+
+
+def test_numerics_are_restored_after_an_exception(tiny_moe):
+    before = tiny_moe.config._attn_implementation
+    with pytest.raises(RuntimeError, match="boom"):
+        with apply_numerics(tiny_moe, resolve("a100", "bf16")):
+            raise RuntimeError("boom")
+    assert tiny_moe.config._attn_implementation == before
+    proj = tiny_moe.model.layers[0].self_attn.o_proj
+    x = torch.randn(2, proj.in_features).bfloat16()
+    assert torch.equal(proj(x), torch.nn.functional.linear(x, proj.weight))
+
+
+def test_sampler_and_scorer_agree_without_numerics(tiny_moe):
+    """The same model sampling (decode path) and scoring (prefill path) agrees to BF16 noise,
+    and every recorded field has its documented shape."""
+    r = generate(tiny_moe, PROMPTS, SamplingParams(max_new_tokens=12, seed=1), pad_id=0,
+                 eos_ids={255}, label="plain")
+    b, t = r.token_ids.shape
+    assert b == 3 and t == 9 + r.completion_mask[:, 9:].shape[1]
+    assert r.candidate_ids.shape == (b, t, 8) and r.routed_experts.shape[:3] == (b, t, 2)
+    s = score(tiny_moe, r)
+    m = r.completion_mask
+    kl = kl_estimators(s.logprobs, r.sampler_logprobs, m)["kl_k3"].item()
+    assert 0 <= kl < 1e-3
+    # the trainer's log-prob of each sampled token is within BF16 noise of the sampler's
+    assert float(((s.logprobs - r.sampler_logprobs).abs() * m).max()) < 0.1
+    # routing recorded on the same tokens agrees for most token-layer pairs
+    have = r.routed_experts[..., 0] >= 0
+    same = (r.routed_experts.sort(-1).values == s.routed_experts.sort(-1).values).all(-1)
+    assert float(same[have].float().mean()) > 0.9
+
+
+def test_sampling_is_seeded_and_processed_logprobs_are_renormalized(tiny_moe):
+    params = SamplingParams(max_new_tokens=8, top_p=0.8, temperature=0.7, seed=3)
+    a = generate(tiny_moe, PROMPTS, params, pad_id=0, eos_ids={255}, label="x")
+    b = generate(tiny_moe, PROMPTS, params, pad_id=0, eos_ids={255}, label="x")
+    assert torch.equal(a.token_ids, b.token_ids)
+    # at temperature 1, top-p only renormalizes: processed = raw − log(kept mass) ≥ raw
+    c = generate(tiny_moe, PROMPTS, SamplingParams(max_new_tokens=8, top_p=0.8, seed=3),
+                 pad_id=0, eos_ids={255}, label="x")
+    m = c.completion_mask.bool()
+    assert bool((c.sampler_logprobs_processed[m] >= c.sampler_logprobs[m] - 1e-6).all())
+    assert bool((c.sampler_logprobs_processed[m] > c.sampler_logprobs[m]).any())
+    logits = torch.randn(4, 50)
+    lp = process_logits(logits, params)
+    assert torch.allclose(lp.exp().sum(-1), torch.ones(4), atol=1e-5)
+    assert bool((torch.isinf(lp).sum(-1) > 0).all())  # top-p dropped something
+
+
+@pytest.mark.parametrize("gpu,dtype,kv", [("b200", "nvfp4", None), ("h100", "fp8", None),
+                                          ("a100", "bf16", "fp8")])
+def test_emulated_samplers_run_and_diverge(tiny_moe, gpu, dtype, kv):
+    spec = resolve(gpu, dtype, kv)
+    calib = [(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long)) for p in PROMPTS]
+    scales = calibrate(tiny_moe, spec, calib)
+    if spec.activation_codec is not None:
+        assert scales and all(float(v) > 0 for v in scales.values())
+    with apply_numerics(tiny_moe, spec, scales):
+        r = generate(tiny_moe, PROMPTS, SamplingParams(max_new_tokens=10), pad_id=0,
+                     eos_ids={255}, label=spec.label)
+    s = score(tiny_moe, r)
+    kl = kl_estimators(s.logprobs, r.sampler_logprobs, r.completion_mask)["kl_k3"].item()
+    assert math.isfinite(kl) and kl > 0
+
+
+def test_activation_quantization_without_calibration_is_an_error(tiny_moe):
+    with pytest.raises(ValueError, match="calibrated scales"):
+        with apply_numerics(tiny_moe, resolve("b200", "nvfp4")):
+            pass
