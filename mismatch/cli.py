@@ -8,6 +8,7 @@ input) become one line on stderr and exit code 2; anything else is a bug and kee
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -21,6 +22,30 @@ app = typer.Typer(
 )
 
 EXIT_BAD_INPUT = 2
+
+
+def quiet_libraries() -> None:
+    """Silence import-time chatter of optional libraries (torchao's missing CUDA extensions,
+    deepspeed's accelerator notice, transformers' progress bars) and stay offline: every model
+    this tool loads is a local directory."""
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for name in ("torchao", "torch.utils._pytree", "DeepSpeed", "deepspeed", "modelopt"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 @app.callback()
@@ -42,6 +67,138 @@ def formats_command() -> None:
     width = max(len(name) for name in CODECS)
     for name, spec in CODECS.items():
         typer.echo(f"{name:<{width}}  {spec.description}")
+
+
+@app.command("quantize")
+def quantize_command(
+    model: Path | None = typer.Option(
+        None, "--model",
+        help="Hugging Face checkpoint directory (BF16). Default: the embedded model."),
+    fmt: str = typer.Option(..., "--format", help="fp8, nvfp4, w4a16-nvfp4 or mxfp4."),
+    out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint to."),
+    kv_cache: str | None = typer.Option(
+        None, "--kv-cache", help="Also quantize the KV cache: fp8."),
+    calib_samples: int = typer.Option(16, "--calib-samples", help="Calibration sequences."),
+    calib_seq_len: int = typer.Option(
+        128, "--calib-seq-len", help="Tokens per calibration sequence."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the calibration data."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+) -> None:
+    """Write a calibrated modelopt checkpoint (needs the `quantize` extra: nvidia-modelopt)."""
+    try:
+        from quantize.checkpoint import QuantizeConfig, quantize_checkpoint
+
+        if model is None:
+            model = _embedded_model_dir()
+        summary = quantize_checkpoint(QuantizeConfig(
+            model=model, format=fmt, out=out, kv_cache=kv_cache, calib_samples=calib_samples,
+            calib_seq_len=calib_seq_len, seed=seed, force=force))
+    except ValueError as exc:  # QuantizeError and other bad input
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    mib = 1024 * 1024
+    typer.echo(f"wrote {summary.out} ({summary.format}"
+               f"{', KV ' + summary.kv_cache if summary.kv_cache else ''}) in "
+               f"{summary.wall_seconds:.1f} s")
+    typer.echo(f"  quantized {len(summary.quantized)} linear layers; kept "
+               f"{len(summary.excluded)} in high precision: {', '.join(summary.excluded[:6])}"
+               f"{' ...' if len(summary.excluded) > 6 else ''}")
+    typer.echo(f"  safetensors {summary.bytes_before / mib:.2f} MiB -> "
+               f"{summary.bytes_after / mib:.2f} MiB")
+    typer.echo(f"  calibration: {summary.calibration}")
+
+
+def _embedded_model_dir() -> Path:
+    """The embedded default model's directory, or a bad-input error while it is not built."""
+    from mismatch.zoo import check_model_dir
+
+    try:
+        return check_model_dir(None, tokenizer=False)
+    except ValueError as exc:
+        raise ValueError(f"no --model given and the embedded model is not available: "
+                         f"{exc}") from None
+
+
+@app.command("profiles")
+def profiles_command() -> None:
+    """Print what each GPU runs for each precision (the accelerator table)."""
+    from mismatch.profiles import table
+
+    typer.echo(f"{'gpu':<14}{'dtype':<13}{'attention':<12}runs as")
+    for row in table():
+        if isinstance(row, tuple):
+            gpu, dtype, reason = row
+            typer.echo(f"{gpu:<14}{dtype:<13}{'-':<12}cannot run: {reason}")
+        else:
+            typer.echo(f"{row.gpu:<14}{row.dtype:<13}{row.attention:<12}{row.kernel_path}")
+
+
+@app.command("probe")
+def probe_command(
+    gpu: str = typer.Option(..., "--gpu", help="Sampler GPU: a100, h100, h200, b200, b300, "
+                            "rtx-pro-6000."),
+    dtype: str = typer.Option(..., "--dtype", help="Sampler precision: bf16, fp16, fp8, "
+                              "w4a16-nvfp4, nvfp4, mxfp4."),
+    kv_cache: str | None = typer.Option(None, "--kv-cache", help="KV cache: bf16 or fp8 "
+                                        "(default: the compute dtype)."),
+    trainer_dtype: str = typer.Option("bf16", "--trainer-dtype", help="Trainer side: bf16 or fp16."),
+    model: Path | None = typer.Option(None, "--model", help="Hugging Face model directory "
+                                      "(default: the embedded model)."),
+    prompts: Path | None = typer.Option(None, "--prompts", help="JSONL prompts: "
+                                        "{\"messages\": [...]} or {\"prompt\": \"...\"} per line."),
+    n_prompts: int = typer.Option(48, "--n-prompts", help="Prompts to sample."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", help="Completion length cap."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Sequences per batch."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    out: Path | None = typer.Option(None, "--out", help="Write results.json, report.md and "
+                                    "plots here (default: runs/probe-<gpu>-<dtype>)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object to stdout."),
+) -> None:
+    """Measure sampler-trainer log-prob divergence for a GPU x precision, by source."""
+    import json as _json
+
+    quiet_libraries()
+
+    from mismatch.probe import ProbeConfig, run_probe
+    from mismatch.profiles import resolve
+    from mismatch.report import format_table, write_probe_outputs
+
+    try:
+        resolve(gpu, dtype, kv_cache)  # fail fast, before loading anything
+        cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache, trainer_dtype=trainer_dtype,
+                          model=model, prompts=prompts, n_prompts=n_prompts,
+                          max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+        result = _with_progress(run_probe, cfg, quiet=as_json)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    command = "mismatch " + " ".join(sys.argv[1:]) if sys.argv[1:] else "mismatch probe"
+    target = out or Path("runs") / f"probe-{cfg.gpu}-{cfg.dtype}"
+    write_probe_outputs(target, result, command)
+    s = result.summary
+    if as_json:
+        typer.echo(_json.dumps(s))
+        return
+    typer.echo(f"{s['gpu']} {s['dtype']} sampler vs {s['trainer_dtype']} trainer — "
+               f"{s['mode'].upper()} ({s['kernel_path']}; attention {s['attention']})")
+    typer.echo(f"{s['tokens']} completion tokens from {s['prompts']} prompts, model {s['model']}")
+    typer.echo(format_table(s))
+    typer.echo(f"wrote {target}/results.json, report.md, log_ratio_hist.png, per_position.png")
+
+
+def _with_progress(fn, cfg, *, quiet: bool):
+    """Run fn(cfg, progress) with a progress bar on stderr (none when quiet)."""
+    if quiet:
+        return fn(cfg, None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("sampling and re-scoring", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return fn(cfg, progress)
 
 
 def main() -> None:

@@ -1,0 +1,256 @@
+"""`mismatch probe`: sample with an emulated (or real) sampler, re-score with the trainer, attribute.
+
+For a (GPU, precision) the probe builds three configurations of the same model on the same
+prompts and compares them on the same sampled tokens:
+
+    trainer     BF16 (or --trainer-dtype) teacher-forced forward, reference kernels
+    precision   teacher-forced, reference kernels, but the sampler's formats: weights decoded
+                from their real storage, activations and KV cache quantized as the GPU does
+    sampler     the full sampler: KV-cache decode path, the GPU's attention kernel family and
+                GEMM accumulation, and the formats
+
+    total        = divergence(trainer, sampler)
+    precision    = divergence(trainer, precision)      what the formats alone cost
+    accelerator  = divergence(precision, sampler)      what the GPU's kernels add on top
+
+Figures are labeled `emulated` unless the sampler ran on the named GPU's real kernels
+(`measured`: a CUDA device of that name, serving precision BF16 or FP16).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .metrics import divergence_summary, log_ratio
+from .profiles import NumericsSpec, resolve, trainer_spec
+from .records import Rollout
+
+__all__ = ["ProbeConfig", "ProbeError", "run_probe", "load_prompts", "SOURCES_REPORTED"]
+
+SOURCES_REPORTED = ("precision", "accelerator")
+_KEYS = ("kl_k3", "kl_k1", "kl_k2", "abs_logprob_diff_mean", "abs_logprob_diff_p99",
+         "abs_logprob_diff_max", "mis_masked_fraction", "ratio_mean", "ess")
+
+
+class ProbeError(ValueError):
+    """Bad probe input (prompt file, lengths, model); the message says what to do."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    """One probe run."""
+
+    gpu: str
+    """Sampler GPU profile (mismatch.profiles.GPUS)."""
+    dtype: str
+    """Sampler serving precision (mismatch.profiles.DTYPES)."""
+    kv_cache: str | None = None
+    """KV-cache storage ("bf16" | "fp8"; default: the compute dtype)."""
+    trainer_dtype: str = "bf16"
+    """Trainer-side dtype ("bf16" | "fp16")."""
+    model: Path | None = None
+    """Hugging Face model directory (None: the embedded model)."""
+    prompts: Path | None = None
+    """JSONL prompt file (None: the shipped held-out tool-use prompts)."""
+    n_prompts: int = 48
+    """Prompts to sample from."""
+    max_new_tokens: int = 48
+    """Completion length cap."""
+    batch_size: int = 16
+    """Sequences per generation batch."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    seed: int = 0
+    """Seed of prompt choice and sampling."""
+
+    def __post_init__(self) -> None:
+        if self.n_prompts < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ProbeError("--n-prompts, --batch-size and --max-new-tokens must be >= 1")
+
+
+def load_prompts(tokenizer, path: Path | None, n: int) -> list[list[int]]:
+    """Token-id prompts: the shipped held-out tasks rendered with the chat template, or a JSONL
+    file of {"messages": [...]} (rendered with the template) or {"prompt": "text"} lines."""
+    if path is None:
+        from .zoo.tasks import TOOLS, generate_tasks
+
+        tasks = generate_tasks("heldout", n)
+        return [list(tokenizer.apply_chat_template(t.prompt_messages(), tools=TOOLS,
+                                                   add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)) for t in tasks]
+    path = Path(path)
+    if not path.is_file():
+        raise ProbeError(f"prompt file {path} does not exist")
+    prompts: list[list[int]] = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ProbeError(f"{path}:{lineno}: not JSON ({exc.msg}); one object per line") from None
+        if isinstance(row, dict) and isinstance(row.get("messages"), list):
+            ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        else:
+            raise ProbeError(f"{path}:{lineno}: need {{\"messages\": [...]}} or "
+                             f"{{\"prompt\": \"...\"}}")
+        if len(ids) == 0:
+            raise ProbeError(f"{path}:{lineno}: the prompt is empty")
+        prompts.append(list(ids))
+        if len(prompts) == n:
+            break
+    if not prompts:
+        raise ProbeError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def _measured(spec: NumericsSpec) -> bool:
+    """True when this machine has the named GPU and the precision runs on its own kernels."""
+    if not torch.cuda.is_available() or spec.dtype not in ("bf16", "fp16"):
+        return False
+    from .profiles import GPUS
+
+    name = torch.cuda.get_device_name(0)
+    return any(n in name for n in GPUS[spec.gpu].cuda_names)
+
+
+def _summary(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor,
+             seed: int) -> dict:
+    s = {k: float(v) for k, v in divergence_summary(reference, other, mask).items()}
+    out = {k: s[k] for k in _KEYS}
+    out["tokens"] = int(s["tokens"])
+    out["kl_k3_ci95"] = list(_bootstrap_ci(reference, other, mask, seed))
+    return out
+
+
+def _bootstrap_ci(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor,
+                  seed: int, n_boot: int = 400) -> tuple[float, float]:
+    """95% interval of mean k3 resampling whole sequences (tokens of a sequence are correlated)."""
+    r = log_ratio(reference, other).clamp(-20, 20)
+    k3 = (torch.expm1(r) - r) * mask.double()
+    per_seq_sum, per_seq_n = k3.sum(-1), mask.double().sum(-1)
+    keep = per_seq_n > 0
+    per_seq_sum, per_seq_n = per_seq_sum[keep], per_seq_n[keep]
+    if per_seq_n.numel() == 0:
+        return (math.nan, math.nan)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, per_seq_n.numel(), (n_boot, per_seq_n.numel()), generator=g)
+    means = per_seq_sum[idx].sum(-1) / per_seq_n[idx].sum(-1)
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=means.dtype))
+    return float(lo), float(hi)
+
+
+@dataclass
+class ProbeResult:
+    """Everything the probe measured, plus the raw per-token arrays for plots."""
+
+    summary: dict
+    log_ratio_total: torch.Tensor = field(repr=False)
+    per_position: dict[str, list[float]] = field(repr=False)
+
+
+def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = None) -> ProbeResult:
+    """Run the probe; `progress(done, total)` is called after each batch."""
+    from .engines.numerics import apply_numerics, calibrate
+    from .engines.sampler import SamplingParams, generate
+    from .engines.scorer import score
+    from .zoo import load_model, load_tokenizer
+
+    spec = resolve(cfg.gpu, cfg.dtype, cfg.kv_cache)
+    trainer = trainer_spec(cfg.trainer_dtype)
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = load_prompts(tokenizer, cfg.prompts, cfg.n_prompts)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    from transformers import AutoConfig
+
+    from .zoo import check_model_dir
+
+    config = AutoConfig.from_pretrained(check_model_dir(cfg.model, tokenizer=False),
+                                        local_files_only=True)
+    limit = getattr(config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompts)
+    if limit is not None and longest + cfg.max_new_tokens > limit:
+        raise ProbeError(f"a prompt of {longest} tokens plus --max-new-tokens "
+                         f"{cfg.max_new_tokens} exceeds the model's context of {limit}; "
+                         f"shorten the prompts or lower --max-new-tokens")
+    trainer_model = load_model(cfg.model, dtype=torch_dtype[trainer.compute_dtype])
+    sampler_model = trainer_model if spec.compute_dtype == trainer.compute_dtype else \
+        load_model(cfg.model, dtype=torch_dtype[spec.compute_dtype])
+    measured = _measured(spec)
+    mode = "measured" if measured else "emulated"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = _eos_ids(tokenizer, trainer_model)
+    calib = [(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long)) for p in prompts[:8]]
+    scales = calibrate(sampler_model, spec, calib)
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            seed=cfg.seed)
+    batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+    rows = {"trainer": [], "precision": [], "sampler": [], "mask": []}
+    width = cfg.max_new_tokens
+    for i, batch in enumerate(batches):
+        if measured:
+            sampler_model.cuda()
+            rollout = generate(sampler_model, batch, params, pad_id=pad_id, eos_ids=eos,
+                               label=spec.label, mode=mode)
+            sampler_model.cpu()
+        else:
+            with apply_numerics(sampler_model, spec, scales):
+                rollout = generate(sampler_model, batch, params, pad_id=pad_id, eos_ids=eos,
+                                   label=spec.label, mode=mode)
+        trainer_scores = score(trainer_model, rollout, with_routing=False)
+        with apply_numerics(sampler_model, spec, scales, kernels=False):
+            precision_scores = score(sampler_model, rollout, with_routing=False)
+        completion = _completion_slice(rollout.completion_mask, rollout, width)
+        rows["trainer"].append(_completion_slice(trainer_scores.logprobs, rollout, width))
+        rows["precision"].append(_completion_slice(precision_scores.logprobs, rollout, width))
+        rows["sampler"].append(_completion_slice(rollout.sampler_logprobs, rollout, width))
+        rows["mask"].append(completion)
+        if progress:
+            progress(i + 1, len(batches))
+    t, p, s, m = (torch.cat(rows[k]) for k in ("trainer", "precision", "sampler", "mask"))
+    summary = {
+        "gpu": spec.gpu, "dtype": spec.dtype, "kv_cache": spec.kv_cache,
+        "trainer_dtype": trainer.dtype, "mode": mode,
+        "model": str(cfg.model) if cfg.model else "embedded",
+        "kernel_path": spec.kernel_path, "attention": spec.attention,
+        "prompts": len(prompts), "tokens": int(m.sum()),
+        "total": _summary(t, s, m, cfg.seed),
+        "sources": {"precision": _summary(t, p, m, cfg.seed),
+                    "accelerator": _summary(p, s, m, cfg.seed)},
+    }
+    r = (log_ratio(t, s) * m.double())
+    per_pos = {name: _per_position(a, b, m) for name, (a, b) in
+               {"total": (t, s), "precision": (t, p), "accelerator": (p, s)}.items()}
+    return ProbeResult(summary=summary, log_ratio_total=r[m.bool()].float(), per_position=per_pos)
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen if isinstance(gen, (list, tuple)) else [gen])
+    return {i for i in ids if isinstance(i, int)}
+
+
+def _completion_slice(x: torch.Tensor, rollout: Rollout, width: int) -> torch.Tensor:
+    """The completion part [B, width] (zero-padded): the positions after the padded prompt."""
+    part = x[:, int(rollout.meta["prompt_width"]):]
+    out = torch.zeros(x.shape[0], width, dtype=x.dtype)
+    out[:, :part.shape[1]] = part[:, :width]
+    return out
+
+
+def _per_position(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """Mean k3 at each completion position (NaN where no sequence reaches it)."""
+    r = log_ratio(reference, other).clamp(-20, 20)
+    k3 = (torch.expm1(r) - r) * mask.double()
+    n = mask.double().sum(0)
+    return [float(v) if c > 0 else math.nan for v, c in zip(k3.sum(0) / n.clamp_min(1), n)]
