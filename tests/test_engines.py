@@ -157,3 +157,37 @@ def test_activation_quantization_without_calibration_is_an_error(tiny_moe):
     with pytest.raises(ValueError, match="calibrated scales"):
         with apply_numerics(tiny_moe, resolve("b200", "nvfp4")):
             pass
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_emulated_weights_are_what_a_server_loads(fmt, tmp_path):
+    """The emulated sampler's weights equal a real modelopt export read back with the engine's
+    fusion rules (q/k/v and gate/up requantized or rescaled as vLLM does), bit for bit."""
+    pytest.importorskip("modelopt", reason="nvidia-modelopt not installed (pip install -e '.[quantize]')")
+    from conftest import build_tiny_model
+    from mismatch.engines.numerics import _serve_weights
+    from quantize.checkpoint import QuantizeConfig, quantize_checkpoint
+    from quantize.loader import load_quantized
+    from transformers import AutoModelForCausalLM
+
+    src = build_tiny_model(tmp_path / "src", kind="moe")
+    quantize_checkpoint(QuantizeConfig(model=src, format=fmt, out=tmp_path / "q", calib_samples=2,
+                                       calib_seq_len=16))
+    served = load_quantized(tmp_path / "q", engine_fusion=True)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    compared = 0
+    for group, members in quantizable_weights(model).items():
+        ours = torch.cat([decode(q) for q in _serve_weights(group, members, fmt)])
+        if group.endswith(".qkv"):
+            name = group[:-len("qkv")] + "qkv_proj"
+        elif group.endswith(".gate_up"):
+            name = group + "_proj"
+        else:
+            name = members[0][0]
+            name = name[:-len(".weight")] if name.endswith(".weight") else name
+        if ".experts." in name and name.endswith("down"):
+            name += "_proj"
+        assert name in served.weights, (name, sorted(served.weights)[:5])
+        assert torch.equal(ours, decode(served.weights[name])), name
+        compared += 1
+    assert compared >= 2 * (1 + 1 + 2 * 8)  # per layer: qkv, o, 8 experts × (gate_up, down)

@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from quantize import decode, encode
+from quantize import QTensor, decode, encode
 from quantize.accumulate import accumulate_matmul
 from quantize.formats import decode_codes, get_format
+from quantize.loader import requantize_fp8
 
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attention
@@ -135,6 +136,32 @@ class _LinearMode(TorchFunctionMode):
         return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
 
 
+def _serve_weights(group: str, members: list[tuple[str, torch.Tensor]],
+                   codec: str) -> list[QTensor]:
+    """The storage a server computes with for one fusion group, in modelopt's export rules and
+    vLLM's loading rules (quantize/loader.py documents both):
+
+    FP8: modelopt gives each linear its own per-tensor scale; the engine fuses q/k/v and gate/up
+    into one GEMM with the max scale, requantizing shards whose scale differs (and, for MoE
+    gate/up, always). NVFP4 / W4A16: modelopt already shares the max amax across q/k/v and
+    gate/up, so the fused global scale is that value. MXFP4: no per-tensor scale.
+    """
+    weights = [w.detach() for _, w in members]
+    if codec == "fp8":
+        qts = [encode(w, "fp8") for w in weights]
+        scales = torch.stack([q.scales for q in qts])
+        expert_gate_up = ".experts." in group and group.endswith(".gate_up")
+        if expert_gate_up or (len(qts) > 1 and not bool((scales == scales[0]).all())):
+            top = scales.max()
+            qts = [QTensor("fp8", q.shape, requantize_fp8(q, top), scales=top) for q in qts]
+        return qts
+    if codec in ("nvfp4", "w4a16-nvfp4"):
+        amax = torch.stack([w.abs().amax().float() for w in weights]).max()
+        shared = torch.where(amax > 0, amax / (6.0 * 448.0), torch.ones_like(amax))
+        return [encode(w, codec, global_scale=shared) for w in weights]
+    return [encode(w, codec) for w in weights]
+
+
 def _build_table(model: torch.nn.Module, spec: NumericsSpec) -> dict[int, _Linear]:
     table: dict[int, _Linear] = {}
     fp8_acc = spec.activation_codec == "fp8-act" and spec.accumulation != "fp32"
@@ -144,13 +171,7 @@ def _build_table(model: torch.nn.Module, spec: NumericsSpec) -> dict[int, _Linea
             for _, w in members:
                 table[w.data_ptr()] = _Linear(weight=w.detach().float(), act_key=act_key)
             continue
-        amax = torch.stack([w.detach().abs().amax().float() for _, w in members]).max()
-        divisor = 448.0 if spec.weight_codec == "fp8" else 6.0 * 448.0
-        shared = torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
-        for _, w in members:
-            is_block = spec.weight_codec.startswith(("nvfp4", "w4a16"))
-            gs = shared if (is_block or spec.weight_codec == "fp8") else None
-            q = encode(w.detach(), spec.weight_codec, global_scale=gs)
+        for (_, w), q in zip(members, _serve_weights(group, members, spec.weight_codec)):
             entry = _Linear(weight=decode(q), act_key=act_key)
             if fp8_acc and spec.weight_codec == "fp8":
                 entry.weight_elems = decode_codes(q.codes, get_format("e4m3"))
