@@ -160,7 +160,7 @@ class ProbeResult:
 
 def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = None) -> ProbeResult:
     """Run the probe; `progress(done, total)` is called after each batch."""
-    from .engines.numerics import apply_numerics, calibrate
+    from .engines.numerics import apply_numerics, calibrate, eager_experts
     from .engines.sampler import SamplingParams, generate
     from .engines.scorer import score
     from .zoo import load_model, load_tokenizer
@@ -206,7 +206,8 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
             with apply_numerics(sampler_model, spec, scales):
                 rollout = generate(sampler_model, batch, params, pad_id=pad_id, eos_ids=eos,
                                    label=spec.label, mode=mode)
-        trainer_scores = score(trainer_model, rollout, with_routing=False)
+        with eager_experts(trainer_model):
+            trainer_scores = score(trainer_model, rollout, with_routing=False)
         with apply_numerics(sampler_model, spec, scales, kernels=False):
             precision_scores = score(sampler_model, rollout, with_routing=False)
         completion = _completion_slice(rollout.completion_mask, rollout, width)

@@ -252,9 +252,29 @@ def _thresholds(fmt: FloatFormat, ties: Ties) -> list[tuple[float, bool]]:
     return _THRESHOLDS[key]
 
 
+_BUCKETIZE_BELOW = 1 << 16  # elements: below, one bucketize call beats 2·(thresholds) passes
+_BOUNDARIES: dict[tuple[str, str, torch.device], torch.Tensor] = {}
+
+
+def _boundaries(fmt: FloatFormat, ties: Ties, device: torch.device) -> torch.Tensor:
+    """Midpoints as float32 boundaries for `bucketize(right=False)`, which counts b < ax: an
+    inclusive midpoint t is replaced by the next float32 below it, so b < ax ⟺ ax ≥ t."""
+    key = (fmt.name, ties, device)
+    if key not in _BOUNDARIES:
+        mids = torch.tensor([m for m, _ in _thresholds(fmt, ties)], dtype=torch.float32)
+        inclusive = torch.tensor([inc for _, inc in _thresholds(fmt, ties)])
+        below = torch.nextafter(mids, torch.zeros_like(mids))
+        _BOUNDARIES[key] = torch.where(inclusive, below, mids).to(device)
+    return _BOUNDARIES[key]
+
+
 def threshold_codes(ax: torch.Tensor, fmt: FloatFormat, ties: Ties = "even") -> torch.Tensor:
     """Magnitude codes [...] uint8 of |x| values ax [...] (float32, no NaN) for a small format:
-    the number of midpoints each value rounds past. Saturates at the largest finite code."""
+    the number of midpoints each value rounds past. Saturates at the largest finite code.
+
+    Small tensors take one `bucketize`; large ones a sum of compares, which vectorizes better."""
+    if ax.numel() < _BUCKETIZE_BELOW:
+        return torch.bucketize(ax, _boundaries(fmt, ties, ax.device), out_int32=True).to(torch.uint8)
     code = torch.zeros(ax.shape, dtype=torch.uint8, device=ax.device)
     for mid, inclusive in _thresholds(fmt, ties):
         code += (ax >= mid) if inclusive else (ax > mid)

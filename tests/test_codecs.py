@@ -303,3 +303,18 @@ def test_all_zero_tensor_round_trips_and_bad_global_scale_is_refused():
         assert torch.equal(decode(encode(z, codec)), z), codec
     with pytest.raises(QuantizeError, match="global_scale must be positive and finite"):
         encode(torch.ones(2, 16), "nvfp4-act", global_scale=torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("codec", ["fp8-act", "nvfp4-act"])
+@pytest.mark.parametrize("seed", range(3))
+def test_direct_fake_quant_equals_decode_of_encode(codec, seed):
+    x = _rand((33, 256), seed=seed)
+    x[0, :16] = 0  # an all-zero block
+    x[1, 5] = -0.0
+    scale = torch.tensor(float(x.float().abs().max()) / (448.0 if codec == "fp8-act" else 2688.0))
+    for s in (scale, scale * 0.25, scale * 8):  # calibrated scales below and above this amax
+        ref = decode(encode(x, codec, global_scale=s), x.dtype)
+        assert torch.equal(fake_quant(x, codec, global_scale=s), ref)
+    big = _rand((300, 256), seed=seed, dtype=torch.float32)  # the large-tensor encode path
+    ref = decode(encode(big, codec, global_scale=scale), torch.float32)
+    assert torch.equal(fake_quant(big, codec, global_scale=scale), ref)

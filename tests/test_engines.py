@@ -191,3 +191,14 @@ def test_emulated_weights_are_what_a_server_loads(fmt, tmp_path):
         assert torch.equal(ours, decode(served.weights[name])), name
         compared += 1
     assert compared >= 2 * (1 + 1 + 2 * 8)  # per layer: qkv, o, 8 experts × (gate_up, down)
+
+
+def test_experts_are_intercepted(tiny_moe):
+    """Fused experts must run through the emulated GEMMs (not a grouped GEMM that bypasses
+    F.linear): NVFP4 weight-only changes the output of an MoE block."""
+    block = tiny_moe.model.layers[0].mlp
+    x = torch.randn(1, 6, 128).bfloat16()
+    plain = block(x)
+    with apply_numerics(tiny_moe, resolve("h100", "w4a16-nvfp4")):
+        emulated = block(x)
+    assert not torch.equal(plain, emulated)

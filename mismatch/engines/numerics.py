@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from quantize import QTensor, decode, encode
+from quantize import QTensor, decode, encode, fake_quant
 from quantize.accumulate import accumulate_matmul
 from quantize.formats import decode_codes, get_format
 from quantize.loader import requantize_fp8
@@ -35,7 +35,7 @@ from quantize.loader import requantize_fp8
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attention
 
-__all__ = ["apply_numerics", "calibrate", "quantizable_weights", "ATTN_IMPL"]
+__all__ = ["apply_numerics", "calibrate", "quantizable_weights", "eager_experts", "ATTN_IMPL"]
 
 ATTN_IMPL = "mismatch_emulated"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -122,13 +122,14 @@ class _LinearMode(TorchFunctionMode):
         codec = spec.activation_codec
         if codec is not None and x2.shape[0] > 0:
             scale = self.act_scales[entry.act_key]
-            q = encode(x2, codec, global_scale=scale, validate=False)
             if entry.weight_elems is not None:  # FP8 GEMM with a limited accumulator
+                q = encode(x2, codec, global_scale=scale, validate=False)
                 elems = decode_codes(q.codes, get_format("e4m3"))
                 y = accumulate_matmul(elems, entry.weight_elems.t(), spec.accumulation)
                 y = y * (q.scales * entry.weight_scale)
             else:
-                y = F.linear(decode(q), entry.weight)
+                y = F.linear(fake_quant(x2.float(), codec, global_scale=scale, validate=False),
+                             entry.weight)
         else:
             y = F.linear(x2.float(), entry.weight)
         if bias is not None:
@@ -219,6 +220,20 @@ def _register_attention() -> None:
 
 
 @contextlib.contextmanager
+def eager_experts(model: torch.nn.Module):
+    """Run fused MoE experts through their eager per-expert loop (one F.linear per expert slice)
+    instead of a grouped GEMM, so each expert's GEMM can be intercepted. The reference scorer
+    uses the same path, so both sides share the expert kernels."""
+    config = model.config
+    previous = getattr(config, "_experts_implementation", None)
+    config._experts_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._experts_implementation = previous
+
+
+@contextlib.contextmanager
 def _attention(model: torch.nn.Module, family: KernelFamily | None, kv_fp8: bool):
     _register_attention()
     config = model.config
@@ -226,7 +241,8 @@ def _attention(model: torch.nn.Module, family: KernelFamily | None, kv_fp8: bool
     config._attn_implementation = ATTN_IMPL
     _ACTIVE.append((family, kv_fp8))
     try:
-        yield
+        with eager_experts(model):
+            yield
     finally:
         _ACTIVE.pop()
         config._attn_implementation = previous
@@ -244,7 +260,7 @@ def calibrate(model: torch.nn.Module, spec: NumericsSpec, batches) -> dict[str, 
         return {}
     table = _build_table(model, spec)
     amax: dict[str, torch.Tensor] = {}
-    with _LinearMode(table, None, {}, amax):
+    with eager_experts(model), _LinearMode(table, None, {}, amax):
         for input_ids, attention_mask in batches:
             model(input_ids=input_ids, attention_mask=attention_mask)
     divisor = _ACT_SCALE_DIVISOR.get(spec.activation_codec, 1.0)
