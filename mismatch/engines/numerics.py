@@ -13,9 +13,10 @@
 - attention runs through `attention.tiled_attention` with the spec's kernel family (or torch
   SDPA for the reference), with the KV cache stored in FP8 when `spec.kv_codec` says so.
 
-Linear layers are intercepted with a TorchFunctionMode on `F.linear`, keyed by the weight's
-storage address, so the model's own forward code (including transformers' fused-expert loop) is
-untouched; everything is restored in `finally`.
+Each decoder `nn.Linear` and each fused-experts module gets an instance-level `forward` for the
+duration of the block (the class's forward is back in `finally`); nothing else in the model is
+touched or slowed down. Fused experts quantize their activations once per GEMM stage for all
+experts, as fused-MoE kernels do (moe.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from quantize import QTensor, decode, encode, fake_quant
 from quantize.accumulate import accumulate_matmul
@@ -34,6 +34,7 @@ from quantize.loader import requantize_fp8
 
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attention
+from .moe import experts_forward, is_fused_experts
 
 __all__ = ["apply_numerics", "calibrate", "quantizable_weights", "eager_experts", "ATTN_IMPL"]
 
@@ -92,49 +93,86 @@ class _Linear:
     weight_scale: torch.Tensor | None = None
 
 
-class _LinearMode(TorchFunctionMode):
-    def __init__(self, table: dict[int, _Linear], spec: NumericsSpec | None,
+class _Emulator:
+    """The GEMMs of one NumericsSpec (or, with `amax` given, a calibration recorder)."""
+
+    def __init__(self, table: dict[int, _Linear], spec: NumericsSpec,
                  act_scales: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None):
-        super().__init__()
         self.table, self.spec, self.act_scales, self.amax = table, spec, act_scales, amax
+        self._last: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.linear:
-            return func(*args, **kwargs)
-        x, w = args[0], args[1]
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        entry = self.table.get(w.data_ptr())
-        if entry is None or tuple(entry.weight.shape) != tuple(w.shape):
-            return func(*args, **kwargs)
-        if self.amax is not None:  # calibration: record, compute as usual
-            a = x.detach().abs().amax().float()
-            prev = self.amax.get(entry.act_key)
-            self.amax[entry.act_key] = a if prev is None else torch.maximum(prev, a)
-            return func(*args, **kwargs)
-        return self._run(x, entry, bias)
+    def quantized_input(self, x2: torch.Tensor, entry: _Linear,
+                        source: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] activations → [N, K] FP32 values the GEMM sees (fake-quantized if W*A*).
 
-    def _run(self, x: torch.Tensor, entry: _Linear, bias: torch.Tensor | None) -> torch.Tensor:
-        spec = self.spec
-        assert spec is not None
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        codec = spec.activation_codec
-        if codec is not None and x2.shape[0] > 0:
-            scale = self.act_scales[entry.act_key]
-            if entry.weight_elems is not None:  # FP8 GEMM with a limited accumulator
-                q = encode(x2, codec, global_scale=scale, validate=False)
-                elems = decode_codes(q.codes, get_format("e4m3"))
-                y = accumulate_matmul(elems, entry.weight_elems.t(), spec.accumulation)
-                y = y * (q.scales * entry.weight_scale)
-            else:
-                y = F.linear(fake_quant(x2.float(), codec, global_scale=scale, validate=False),
-                             entry.weight)
-        else:
-            y = F.linear(x2.float(), entry.weight)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+        q, k and v read the same tensor with one scale: like a fused QKV GEMM, the input is
+        quantized once (the last input per activation group is remembered by identity)."""
+        if self.amax is not None:  # calibration: record the input range, quantize nothing
+            if x2.numel():
+                a = x2.detach().abs().amax().float()
+                prev = self.amax.get(entry.act_key)
+                self.amax[entry.act_key] = a if prev is None else torch.maximum(prev, a)
+            return x2.float()
+        codec = self.spec.activation_codec
+        if codec is None or x2.shape[0] == 0:
+            return x2.float()
+        source = x2 if source is None else source
+        last = self._last.get(entry.act_key)
+        if last is not None and last[0] is source and last[1] == source._version:
+            return last[2]
+        xq = fake_quant(x2.float(), codec, global_scale=self.act_scales[entry.act_key],
+                        validate=False)
+        self._last[entry.act_key] = (source, source._version, xq)
+        return xq
+
+    def gemm(self, x2: torch.Tensor, entry: _Linear, xq: torch.Tensor | None = None,
+             source: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] activations → [N, N_out] FP32: exact products, FP32 sums (or the spec's
+        accumulation model for FP8 W8A8). `xq`: the already-quantized input, if any."""
+        if entry.weight_elems is not None and self.amax is None and x2.shape[0] > 0:
+            q = encode(x2, self.spec.activation_codec,
+                       global_scale=self.act_scales[entry.act_key], validate=False)
+            elems = decode_codes(q.codes, get_format("e4m3"))
+            y = accumulate_matmul(elems, entry.weight_elems.t(), self.spec.accumulation)
+            return y * (q.scales * entry.weight_scale)
+        if xq is None:
+            xq = self.quantized_input(x2, entry, source)
+        return torch.matmul(xq, entry.weight.t())
+
+    def batched(self) -> bool:
+        """Whether activations can be quantized once per MoE stage (not with codes-level
+        accumulation, which needs each expert's own codes)."""
+        return not any(e.weight_elems is not None for e in self.table.values())
+
+    def linear_forward(self, module: torch.nn.Linear, entry: _Linear):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            x2 = x.reshape(-1, x.shape[-1])
+            y = self.gemm(x2, entry, source=x)
+            if module.bias is not None:
+                y = y + module.bias.float()
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+        return forward
+
+
+@contextlib.contextmanager
+def _patched(model: torch.nn.Module, emulator: _Emulator):
+    """Give every emulated Linear and fused-experts module its emulated forward."""
+    patched = []
+    try:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                entry = emulator.table.get(module.weight.data_ptr())
+                if entry is not None:
+                    module.forward = emulator.linear_forward(module, entry)
+                    patched.append(module)
+            elif is_fused_experts(module) and module.gate_up_proj[0].data_ptr() in emulator.table:
+                module.forward = experts_forward(module, emulator)
+                patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward  # the class's forward again
 
 
 def _serve_weights(group: str, members: list[tuple[str, torch.Tensor]],
@@ -258,9 +296,9 @@ def calibrate(model: torch.nn.Module, spec: NumericsSpec, batches) -> dict[str, 
     and divide by the codec's range. Returns {activation group: float32 scale}."""
     if spec.activation_codec is None:
         return {}
-    table = _build_table(model, spec)
     amax: dict[str, torch.Tensor] = {}
-    with eager_experts(model), _LinearMode(table, None, {}, amax):
+    emulator = _Emulator(_build_table(model, spec), spec, {}, amax)
+    with eager_experts(model), _patched(model, emulator):
         for input_ids, attention_mask in batches:
             model(input_ids=input_ids, attention_mask=attention_mask)
     divisor = _ACT_SCALE_DIVISOR.get(spec.activation_codec, 1.0)
@@ -272,12 +310,10 @@ def apply_numerics(model: torch.nn.Module, spec: NumericsSpec, act_scales=None, 
                    kernels: bool = True):
     """Run `model` with `spec`'s numerics inside the block. kernels=False keeps the reference
     attention (torch SDPA) and emulates formats only (the "precision" configuration)."""
-    table = _build_table(model, spec)
-    family = KERNEL_FAMILIES.get(spec.attention) if kernels else None
-    needs = spec.activation_codec is not None
-    if needs and not act_scales:
+    if spec.activation_codec is not None and not act_scales:
         raise ValueError(f"{spec.label}: activation quantization needs calibrated scales; "
                          f"call calibrate() first")
-    with _attention(model, family, spec.kv_codec is not None), \
-            _LinearMode(table, spec, act_scales or {}, None):
+    emulator = _Emulator(_build_table(model, spec), spec, act_scales or {}, None)
+    family = KERNEL_FAMILIES.get(spec.attention) if kernels else None
+    with _attention(model, family, spec.kv_codec is not None), _patched(model, emulator):
         yield
