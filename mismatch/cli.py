@@ -149,6 +149,8 @@ def probe_command(
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", help="Completion length cap."),
     batch_size: int = typer.Option(16, "--batch-size", help="Sequences per batch."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    threads: int | None = typer.Option(None, "--threads", help="torch threads (default: 1 for "
+                                       "small models, else torch's default)."),
     out: Path | None = typer.Option(None, "--out", help="Write results.json, report.md and "
                                     "plots here (default: runs/probe-<gpu>-<dtype>)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object to stdout."),
@@ -166,7 +168,8 @@ def probe_command(
         resolve(gpu, dtype, kv_cache)  # fail fast, before loading anything
         cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache, trainer_dtype=trainer_dtype,
                           model=model, prompts=prompts, n_prompts=n_prompts,
-                          max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+                          max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+                          threads=threads)
         result = _with_progress(run_probe, cfg, quiet=as_json)
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -3,7 +3,9 @@
 For a (GPU, precision) the probe builds three configurations of the same model on the same
 prompts and compares them on the same sampled tokens:
 
-    trainer     BF16 (or --trainer-dtype) teacher-forced forward, reference kernels
+    trainer     BF16 (or --trainer-dtype) teacher-forced forward, reference kernels: GEMMs with
+                exact products and FP32 sums rounded once (what a GPU trainer's GEMMs do,
+                whatever CPU kernel torch would pick), torch SDPA attention
     precision   teacher-forced, reference kernels, but the sampler's formats: weights decoded
                 from their real storage, activations and KV cache quantized as the GPU does
     sampler     the full sampler: KV-cache decode path, the GPU's attention kernel family and
@@ -38,6 +40,9 @@ _KEYS = ("kl_k3", "kl_k1", "kl_k2", "abs_logprob_diff_mean", "abs_logprob_diff_p
          "abs_logprob_diff_max", "mis_masked_fraction", "ratio_mean", "ess")
 
 
+_SMALL_MODEL = 50_000_000  # parameters: below this, one intra-op thread is fastest
+
+
 class ProbeError(ValueError):
     """Bad probe input (prompt file, lengths, model); the message says what to do."""
 
@@ -68,6 +73,9 @@ class ProbeConfig:
     """Sampling temperature."""
     seed: int = 0
     """Seed of prompt choice and sampling."""
+    threads: int | None = None
+    """torch intra-op threads (None: 1 for models under 50M parameters, whose many small ops
+    only lose to thread synchronization, else torch's default)."""
 
     def __post_init__(self) -> None:
         if self.n_prompts < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
@@ -160,7 +168,7 @@ class ProbeResult:
 
 def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = None) -> ProbeResult:
     """Run the probe; `progress(done, total)` is called after each batch."""
-    from .engines.numerics import apply_numerics, calibrate, eager_experts
+    from .engines.numerics import apply_numerics, calibrate
     from .engines.sampler import SamplingParams, generate
     from .engines.scorer import score
     from .zoo import load_model, load_tokenizer
@@ -183,6 +191,10 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
                          f"{cfg.max_new_tokens} exceeds the model's context of {limit}; "
                          f"shorten the prompts or lower --max-new-tokens")
     trainer_model = load_model(cfg.model, dtype=torch_dtype[trainer.compute_dtype])
+    n_params = sum(p.numel() for p in trainer_model.parameters())
+    threads = cfg.threads if cfg.threads is not None else (1 if n_params < _SMALL_MODEL else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
     sampler_model = trainer_model if spec.compute_dtype == trainer.compute_dtype else \
         load_model(cfg.model, dtype=torch_dtype[spec.compute_dtype])
     measured = _measured(spec)
@@ -206,7 +218,7 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
             with apply_numerics(sampler_model, spec, scales):
                 rollout = generate(sampler_model, batch, params, pad_id=pad_id, eos_ids=eos,
                                    label=spec.label, mode=mode)
-        with eager_experts(trainer_model):
+        with apply_numerics(trainer_model, trainer, kernels=False):
             trainer_scores = score(trainer_model, rollout, with_routing=False)
         with apply_numerics(sampler_model, spec, scales, kernels=False):
             precision_scores = score(sampler_model, rollout, with_routing=False)

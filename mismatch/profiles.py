@@ -100,8 +100,8 @@ class NumericsSpec:
         return f"{self.gpu} {self.dtype}{kv}"
 
 
-# The trainer side: teacher-forced BF16 forward with a reference attention (the study's trainer
-# is BF16 on B200 running Megatron; on CPU it is torch's own kernels).
+# The trainer side: teacher-forced BF16 forward, GEMMs with FP32 accumulation rounded once (as a
+# GPU trainer's GEMMs), reference attention (the study's trainer is BF16 Megatron on B200).
 TRAINER = NumericsSpec(gpu="trainer", dtype="bf16", kv_cache="bf16", compute_dtype="bf16",
                        weight_codec=None, activation_codec=None, accumulation="fp32",
                        kv_codec=None, attention="reference",
