@@ -145,7 +145,7 @@ def probe_command(
                                       "(default: the embedded model)."),
     prompts: Path | None = typer.Option(None, "--prompts", help="JSONL prompts: "
                                         "{\"messages\": [...]} or {\"prompt\": \"...\"} per line."),
-    n_prompts: int = typer.Option(48, "--n-prompts", help="Prompts to sample."),
+    n_prompts: int = typer.Option(512, "--n-prompts", help="Prompts to sample (held-out tasks)."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", help="Completion length cap."),
     batch_size: int = typer.Option(16, "--batch-size", help="Sequences per batch."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
@@ -204,14 +204,24 @@ def _with_progress(fn, cfg, *, quiet: bool):
         return fn(cfg, progress)
 
 
+def _register_zoo() -> None:
+    from mismatch.zoo.cli import zoo_app
+
+    app.add_typer(zoo_app, name="zoo")
+
+
+_register_zoo()
+
+
 def main() -> None:
     """Console-script entry point."""
     try:
         app()
-    except ValueError as exc:  # bad input reported by the library
-        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    except ValueError as exc:  # bad input reported by the library, outside a command's own check
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        typer.echo(f"mismatch: error: {message}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)

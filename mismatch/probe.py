@@ -63,7 +63,7 @@ class ProbeConfig:
     """Hugging Face model directory (None: the embedded model)."""
     prompts: Path | None = None
     """JSONL prompt file (None: the shipped held-out tool-use prompts)."""
-    n_prompts: int = 48
+    n_prompts: int = 512
     """Prompts to sample from."""
     max_new_tokens: int = 48
     """Completion length cap."""

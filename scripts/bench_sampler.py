@@ -25,7 +25,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the probe's "
+                        "default for small models is 1)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     from mismatch.cli import quiet_libraries
 
@@ -38,8 +41,10 @@ def main() -> None:
 
     tok = load_tokenizer(args.model)
     model = load_model(args.model)
-    prompts = load_prompts(tok, None if args.model is None else None, args.prompts) \
-        if args.model is None else [tok(f"prompt {i} " * 4)["input_ids"] for i in range(args.prompts)]
+    if args.model is None:  # the shipped held-out tool-use prompts
+        prompts = load_prompts(tok, None, args.prompts)
+    else:
+        prompts = [tok(f"prompt {i} " * 4)["input_ids"] for i in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.tokens, seed=0)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     specs = {"bf16": resolve("b200", "bf16"), "nvfp4": resolve("b200", "nvfp4")}

@@ -102,3 +102,13 @@ def tiny_qwen3_dir(tiny_model_factory: TinyModelFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tiny_model_factory: TinyModelFactory) -> Path:
     return tiny_model_factory("qwen3moe", kind="moe", seed=1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skip them, with the reason, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -252,3 +252,16 @@ def test_decode_packed_matches_unpacked_lookup():
 
     every = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
     assert torch.equal(decode_packed(every, E2M1), decode_codes(unpack_nibbles(every), E2M1))
+
+
+@pytest.mark.parametrize("ties", ["even", "toward_zero"])
+def test_bucketize_and_compare_paths_agree_on_every_bf16_pattern(ties):
+    """threshold_codes takes one bucketize call below 8192 elements and a sum of compares above;
+    both must give the same code for every finite BF16 magnitude."""
+    from quantize.formats import threshold_codes
+
+    ax = _all_bf16().abs()
+    ax = ax[torch.isfinite(ax)]
+    whole = threshold_codes(ax, E2M1, ties)  # compare path (65k elements)
+    pieces = torch.cat([threshold_codes(c, E2M1, ties) for c in ax.split(4096)])  # bucketize
+    assert torch.equal(whole, pieces)

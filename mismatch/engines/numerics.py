@@ -22,6 +22,7 @@ experts, as fused-MoE kernels do (moe.py).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -201,7 +202,28 @@ def _serve_weights(group: str, members: list[tuple[str, torch.Tensor]],
     return [encode(w, codec) for w in weights]
 
 
+_TABLES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple:
+    """Changes whenever a parameter is replaced or written in place."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
 def _build_table(model: torch.nn.Module, spec: NumericsSpec) -> dict[int, _Linear]:
+    """The emulated weights of `spec`, cached per model until its parameters change."""
+    per_model = _TABLES.setdefault(model, {})
+    key = (spec.weight_codec, spec.activation_codec, spec.accumulation)
+    fingerprint = _fingerprint(model)
+    hit = per_model.get(key)
+    if hit is not None and hit[0] == fingerprint:
+        return hit[1]
+    table = _encode_table(model, spec)
+    per_model[key] = (fingerprint, table)
+    return table
+
+
+def _encode_table(model: torch.nn.Module, spec: NumericsSpec) -> dict[int, _Linear]:
     table: dict[int, _Linear] = {}
     fp8_acc = spec.activation_codec == "fp8-act" and spec.accumulation != "fp32"
     for group, members in quantizable_weights(model).items():

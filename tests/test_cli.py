@@ -1,0 +1,64 @@
+"""The command line: its option set is a snapshot (changing it is a decision, not an accident),
+`--help` is fast, and bad input is one line with exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import typer
+from typer.testing import CliRunner
+
+from mismatch.cli import app
+
+SNAPSHOT = {
+    "formats": [],
+    "profiles": [],
+    "probe": ["--batch-size", "--dtype", "--gpu", "--json", "--kv-cache", "--max-new-tokens",
+              "--model", "--n-prompts", "--out", "--prompts", "--seed", "--threads",
+              "--trainer-dtype"],
+    "quantize": ["--calib-samples", "--calib-seq-len", "--force", "--format", "--kv-cache",
+                 "--model", "--out", "--seed"],
+}
+
+
+def _options(command) -> list[str]:
+    return sorted(opt for p in command.params for opt in p.opts if opt.startswith("--"))
+
+
+def test_option_snapshot():
+    group = typer.main.get_command(app)
+    got = {name: _options(cmd) for name, cmd in group.commands.items() if name in SNAPSHOT}
+    assert got == SNAPSHOT
+    assert {"formats", "profiles", "probe", "quantize", "zoo"} <= set(group.commands)
+
+
+def test_help_imports_nothing_heavy():
+    """`--help` stays instant because the CLI module imports neither torch nor transformers
+    (checked by import, not by a timer)."""
+    res = subprocess.run([sys.executable, "-m", "mismatch.cli", "--help"], capture_output=True,
+                         text=True)
+    assert res.returncode == 0 and "probe" in res.stdout
+    probe = subprocess.run([sys.executable, "-c", "import sys, mismatch.cli; "
+                            "print('torch' in sys.modules, 'transformers' in sys.modules)"],
+                           capture_output=True, text=True)
+    assert probe.stdout.strip() == "False False"
+
+
+def test_formats_and_profiles_print_tables():
+    runner = CliRunner()
+    res = runner.invoke(app, ["formats"])
+    assert res.exit_code == 0 and "nvfp4-act" in res.stdout and "mxfp4-rceil" in res.stdout
+    res = runner.invoke(app, ["profiles"])
+    assert res.exit_code == 0
+    assert "a100          nvfp4" in res.stdout and "cannot run" in res.stdout
+    assert "Marlin W8A16" in res.stdout
+
+
+def test_library_errors_outside_commands_are_one_line_exit_2():
+    res = subprocess.run([sys.executable, "-m", "mismatch.cli", "zoo", "info", "--model",
+                          "/no/such/dir"], capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mismatch: error:") and "Traceback" not in \
+        res.stderr

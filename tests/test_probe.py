@@ -1,0 +1,121 @@
+"""`mismatch probe` end to end on a tiny random Qwen3-MoE with a tokenizer, and its bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import build_tiny_model
+from mismatch.cli import app
+
+runner = CliRunner()
+KEYS = ("kl_k3", "kl_k1", "abs_logprob_diff_mean", "abs_logprob_diff_max", "mis_masked_fraction")
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "moe", kind="moe", tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("p") / "prompts.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": f"question number {i}: what is {i} + {i}?"})
+                           for i in range(6)) + "\n")
+    return p
+
+
+def _probe(*args: str):
+    return runner.invoke(app, ["probe", *args])
+
+
+def test_probe_json_schema_and_outputs(moe_dir, prompt_file, tmp_path):
+    out = tmp_path / "run"
+    res = _probe("--gpu", "b200", "--dtype", "nvfp4", "--model", str(moe_dir), "--prompts",
+                 str(prompt_file), "--max-new-tokens", "12", "--out", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (s["gpu"], s["dtype"], s["mode"], s["model"]) == ("b200", "nvfp4", "emulated",
+                                                             str(moe_dir))
+    assert s["tokens"] > 0
+    for block in (s["total"], s["sources"]["precision"], s["sources"]["accelerator"]):
+        for k in KEYS:
+            assert math.isfinite(block[k]), k
+    assert s["total"]["kl_k3"] > 0 and s["sources"]["precision"]["kl_k3"] > 0
+    for name in ("results.json", "report.md", "log_ratio_hist.png", "per_position.png"):
+        assert (out / name).stat().st_size > 0
+    assert "EMULATED" in (out / "report.md").read_text()
+    assert not list(tmp_path.glob(".run.tmp-*"))
+
+
+def test_probe_table_for_bf16(moe_dir, prompt_file, tmp_path):
+    res = _probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir), "--prompts",
+                 str(prompt_file), "--max-new-tokens", "8", "--out", str(tmp_path / "r"))
+    assert res.exit_code == 0, res.output
+    assert "EMULATED" in res.stdout and "KL k3" in res.stdout
+    s = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert s["total"]["kl_k3"] > 0  # kernels alone: decode path, FA2 tiling, BF16 P
+    assert s["sources"]["precision"]["kl_k3"] == 0  # BF16 weights are the trainer's own
+
+
+def _one_line_error(res, *needles: str) -> None:
+    assert res.exit_code == 2, res.output
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mismatch: error:"), res.stderr
+    assert "Traceback" not in res.output
+    for n in needles:
+        assert n in err[0], err[0]
+
+
+def test_bad_gpu_dtype_and_pair():
+    _one_line_error(_probe("--gpu", "v100", "--dtype", "bf16"), "unknown gpu 'v100'", "a100")
+    _one_line_error(_probe("--gpu", "a100", "--dtype", "int3"), "unknown dtype", "nvfp4")
+    _one_line_error(_probe("--gpu", "a100", "--dtype", "nvfp4"), "a100 cannot run nvfp4",
+                    "can run: bf16")
+
+
+def test_missing_model_and_missing_tokenizer(tmp_path, prompt_file):
+    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(tmp_path / "nope")),
+                    "does not exist")
+    no_tok = build_tiny_model(tmp_path / "notok", kind="moe", tokenizer=False)
+    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(no_tok),
+                           "--prompts", str(prompt_file)), "tokenizer")
+
+
+def test_empty_prompt_file_and_too_long_prompts(moe_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir),
+                           "--prompts", str(empty)), "holds no prompts")
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "word " * 400}) + "\n")
+    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir),
+                           "--prompts", str(long)), "exceeds the model's context")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir),
+                           "--prompts", str(bad)), "not JSON")
+
+
+@pytest.mark.gpu
+def test_measured_mode_on_the_named_gpu(tmp_path):
+    """On a machine whose CUDA device is one of the profiles, a BF16 probe of that GPU runs the
+    real kernels and says `measured`; any other GPU name stays `emulated`."""
+    import torch
+
+    from mismatch.probe import ProbeConfig, run_probe
+    from mismatch.profiles import GPUS
+
+    name = torch.cuda.get_device_name(0)
+    here = [g for g, p in GPUS.items() if any(n in name for n in p.cuda_names)]
+    if not here:
+        pytest.skip(f"{name} is not one of the profiled GPUs")
+    s = run_probe(ProbeConfig(gpu=here[0], dtype="bf16", n_prompts=8, max_new_tokens=8)).summary
+    assert s["mode"] == "measured" and s["tokens"] > 0
+    other = next(g for g in GPUS if g not in here)
+    assert run_probe(ProbeConfig(gpu=other, dtype="bf16", n_prompts=4,
+                                 max_new_tokens=4)).summary["mode"] == "emulated"

@@ -1,0 +1,41 @@
+"""Physics of the emulated samplers on the embedded model (`slow`: five probes).
+
+Each figure comes from enough tokens that the 95% intervals of the compared configurations do
+not overlap (reports/probe-physics.md has the full-size run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mismatch.probe import ProbeConfig, run_probe
+
+pytestmark = pytest.mark.slow
+
+
+def _k3(**kw) -> tuple[float, float, float]:
+    s = run_probe(ProbeConfig(n_prompts=512, **kw)).summary
+    lo, hi = s["total"]["kl_k3_ci95"]
+    return s["total"]["kl_k3"], lo, hi
+
+
+@pytest.fixture(scope="module")
+def b200():
+    return {"bf16": _k3(gpu="b200", dtype="bf16"), "fp8": _k3(gpu="b200", dtype="fp8"),
+            "nvfp4": _k3(gpu="b200", dtype="nvfp4"),
+            "kv8": _k3(gpu="b200", dtype="bf16", kv_cache="fp8"),
+            "fp16": _k3(gpu="b200", dtype="fp16", trainer_dtype="fp16")}
+
+
+def test_precision_ordering(b200):
+    bf16, fp8, nvfp4 = b200["bf16"], b200["fp8"], b200["nvfp4"]
+    assert nvfp4[1] > fp8[2], (nvfp4, fp8)  # intervals do not overlap
+    assert fp8[1] > bf16[2], (fp8, bf16)
+
+
+def test_fp8_kv_cache_adds_kl(b200):
+    assert b200["kv8"][1] > b200["bf16"][2], (b200["kv8"], b200["bf16"])
+
+
+def test_fp16_both_sides_beats_bf16_both_sides(b200):
+    assert b200["fp16"][2] < b200["bf16"][1], (b200["fp16"], b200["bf16"])
+    assert b200["fp16"][0] > 0
