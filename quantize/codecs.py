@@ -477,7 +477,7 @@ _E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def _fake_nvfp4_act(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    from .formats import _boundaries
+    from .formats import threshold_codes
 
     xb = _blocks(x, 16).float()
     gs = 1.0 / input_scale
@@ -485,7 +485,7 @@ def _fake_nvfp4_act(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     sf = sf.to(torch.float8_e4m3fn).float()
     out_scale = torch.where(sf != 0, 1.0 / (sf * (1.0 / gs)), torch.zeros_like(sf))
     scaled = xb * out_scale.unsqueeze(-1)
-    idx = torch.bucketize(scaled.abs(), _boundaries(E2M1, "even", x.device))
+    idx = threshold_codes(scaled.abs(), E2M1).long()
     values = torch.copysign(_E2M1_MAGNITUDES.to(x.device)[idx], scaled)
     return (values * sf.unsqueeze(-1) * input_scale).reshape(x.shape)
 

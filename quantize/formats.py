@@ -252,7 +252,7 @@ def _thresholds(fmt: FloatFormat, ties: Ties) -> list[tuple[float, bool]]:
     return _THRESHOLDS[key]
 
 
-_BUCKETIZE_BELOW = 1 << 16  # elements: below, one bucketize call beats 2·(thresholds) passes
+_BUCKETIZE_BELOW = 8192  # elements: below, one bucketize call beats 2·(thresholds) passes (measured crossover on CPU)
 _BOUNDARIES: dict[tuple[str, str, torch.device], torch.Tensor] = {}
 
 
