@@ -65,6 +65,8 @@ from .formats import (
     e8m0_decode,
     e8m0_from_exponent,
     encode_codes,
+    sign_mask,
+    threshold_codes,
 )
 
 __all__ = ["CodecSpec", "QTensor", "CODECS", "get_codec", "encode", "decode", "fake_quant",
@@ -320,13 +322,17 @@ def _nvfp4_global(x: torch.Tensor) -> torch.Tensor:
 
 def _encode_nvfp4_weight(x: torch.Tensor, spec: CodecSpec, s2: torch.Tensor) -> QTensor:
     xb = _blocks(x, spec.block)  # (..., nb, 16)
-    amax = xb.abs().amax(dim=-1).float()  # (..., nb)
+    low, high = torch.aminmax(xb, dim=-1)  # one read of x; |x| is never materialized
+    amax = torch.maximum(high, -low).float()  # (..., nb), exact
     block_scale = amax / (E2M1_MAX * s2)
     block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
     sf = block_scale.clamp(NVFP4_SCALE_MIN, E4M3_MAX).to(torch.float8_e4m3fn)
-    scaled = xb / (sf.float() * s2).unsqueeze(-1)  # FP32: the product, then the division
-    codes = _element_codes(scaled, spec).reshape(x.shape)
-    return QTensor(spec.name, tuple(x.shape), pack_nibbles(codes), scales=sf, global_scale=s2)
+    # |x| / d = |x / d| exactly (division is sign-symmetric): round magnitudes, sign apart.
+    magnitude = xb.abs() / (sf.float() * s2).unsqueeze(-1)  # FP32: the product, then the division
+    codes = threshold_codes(magnitude, E2M1, spec.ties) | \
+        (sign_mask(xb, spec.sign_rule).to(torch.uint8) << 3)
+    return QTensor(spec.name, tuple(x.shape), pack_nibbles(codes.reshape(x.shape)), scales=sf,
+                   global_scale=s2)
 
 
 def _encode_nvfp4_activation(x: torch.Tensor, spec: CodecSpec, input_scale: torch.Tensor) -> QTensor:

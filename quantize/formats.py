@@ -49,6 +49,7 @@ __all__ = [
     "round_to_format",
     "encode_codes",
     "threshold_codes",
+    "sign_mask",
     "SignRule",
     "decode_codes",
     "decode_packed",
@@ -184,7 +185,7 @@ def round_to_format(x: torch.Tensor, fmt: FloatFormat, *, ties: Ties = "even") -
 SignRule = Literal["ieee", "negative", "nonpositive"]
 
 
-def _sign_mask(x: torch.Tensor, rule: SignRule) -> torch.Tensor:
+def sign_mask(x: torch.Tensor, rule: SignRule) -> torch.Tensor:
     """Which elements get the sign bit: signbit(x) (IEEE), x < 0 (modelopt NVFP4: an exact −0.0
     encodes as +0), or x <= 0 (modelopt MXFP4: both zeros encode as −0)."""
     if rule == "ieee":
@@ -203,7 +204,7 @@ def encode_codes(x: torch.Tensor, fmt: FloatFormat, *, ties: Ties = "even",
     Three implementations, chosen by the format's data, all tested to agree bit for bit on every
     BF16 pattern: torch's own cast where torch has the dtype (FP8), a sum of threshold tests for
     4-bit formats (E2M1: seven compares, no gather), and the exact frexp arithmetic otherwise.
-    sign: see `_sign_mask`. Raises ValueError on NaN for a format without a NaN code, unless
+    sign: see `sign_mask`. Raises ValueError on NaN for a format without a NaN code, unless
     check_nan is False (the caller has validated its input).
     """
     x = x if x.dtype == torch.float32 else x.float()
@@ -224,7 +225,7 @@ def encode_codes(x: torch.Tensor, fmt: FloatFormat, *, ties: Ties = "even",
 
 def _with_sign(magnitude: torch.Tensor, x: torch.Tensor, fmt: FloatFormat,
                sign: SignRule) -> torch.Tensor:
-    neg = _sign_mask(x, sign)
+    neg = sign_mask(x, sign)
     if fmt.nan_code is not None:  # a NaN keeps its canonical (positive) code
         neg = neg & ~torch.isnan(x)
     return magnitude | (neg.to(torch.uint8) << (fmt.ebits + fmt.mbits))
