@@ -1,6 +1,6 @@
 """Regenerate reports/probe-<gpu>-<dtype>.md for the study's fleet and reports/probe-physics.md.
 
-    python scripts/make_probe_reports.py [--n-prompts 128]
+    python scripts/make_probe_reports.py [--n-prompts 512] [--physics-prompts 1024]
 
 Each natural pair (B200/B300 NVFP4; H100/H200 FP8 and BF16; A100 and RTX PRO 6000 BF16) is
 probed with `mismatch probe` on the embedded model; its report.md and plots are copied into
@@ -39,6 +39,8 @@ def _probe(args: list[str], out: Path, n: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-prompts", type=int, default=512)
+    parser.add_argument("--physics-prompts", type=int, default=1024,
+                        help="prompts per physics row (k3 is heavy-tailed: rare flipped tokens)")
     args = parser.parse_args()
     runs = ROOT / "runs"
     for gpu, dtype in NATURAL:
@@ -54,7 +56,7 @@ def main() -> None:
     rows = []
     for label, a in PHYSICS:
         s = _probe(a, runs / ("physics-" + label.replace(" ", "-").replace(",", "")),
-                   args.n_prompts)
+                   args.physics_prompts)
         t = s["total"]
         rows.append(f"| {label} | {s['tokens']} | {t['kl_k3']:.3e} | "
                     f"[{t['kl_k3_ci95'][0]:.2e}, {t['kl_k3_ci95'][1]:.2e}] | "
@@ -62,7 +64,8 @@ def main() -> None:
                     f"{s['sources']['accelerator']['kl_k3']:.2e} |")
     (REPORTS / "probe-physics.md").write_text("\n".join([
         "# Probe physics on the embedded model (EMULATED)", "",
-        f"Command: `python scripts/make_probe_reports.py --n-prompts {args.n_prompts}` "
+        f"Command: `python scripts/make_probe_reports.py --physics-prompts "
+        f"{args.physics_prompts}` "
         "(each row one `mismatch probe` run; 95% intervals from a sequence-level bootstrap).",
         "", "| configuration | tokens | KL k3 total | 95% CI | precision | accelerator |",
         "|---|---:|---:|---|---:|---:|", *rows, "",

@@ -9,8 +9,13 @@ thread blocks ("split-KV" / flash-decoding) and merge the partial (m, l, O) in F
 side instead runs a reference attention (torch SDPA), so the two differ by reduction order and
 by where P is rounded: the attention part of the "kernels" mismatch source.
 
-Tile sizes per family (keys per tile; decode splits) are typical values from the public kernels:
-FA2 128, FA3 128 (Hopper), FlashInfer 64, TRT-LLM 128, with up to 4 KV splits when decoding.
+Tile sizes per family (keys per tile, for head_dim ≤ 64 as the embedded model has), from the
+public kernels: FlashAttention-2 (A100) prefill 128 (`Flash_fwd_kernel_traits<32, 128, 128, …>`)
+and decode 256 (`run_mha_fwd_splitkv_dispatch`: kBlockN = 256 for head_dim ≤ 64);
+FlashAttention-3 (Hopper, hopper/tile_size.h `tile_size_fwd_sm90`) 128 causal and 192
+non-causal (a single decode query attends to the whole cache); Blackwell forward kernels 128;
+FlashInfer 64 (a typical value, not read from its source). Decoding may split the keys across
+up to 4 blocks.
 The KV cache may be stored in FP8 E4M3 with a per-tensor scale; serving engines default that
 scale to 1.0 when the checkpoint has none (NUMERICS.md §1.2), which is what `kv_scale=1.0` means.
 """
@@ -32,7 +37,9 @@ class KernelFamily:
     name: str
     """Family name as in mismatch.profiles."""
     tile_k: int
-    """Keys per tile of the online softmax."""
+    """Keys per tile of the online softmax (prefill)."""
+    decode_tile_k: int
+    """Keys per tile when a single query attends to the cache (decode)."""
     decode_splits: int
     """KV splits when a single query attends to a long cache (1: no split)."""
     p_in_input_dtype: bool = True
@@ -40,10 +47,10 @@ class KernelFamily:
 
 
 KERNEL_FAMILIES: dict[str, KernelFamily] = {k.name: k for k in (
-    KernelFamily(name="fa2", tile_k=128, decode_splits=4),
-    KernelFamily(name="fa3", tile_k=128, decode_splits=4),
-    KernelFamily(name="flashinfer", tile_k=64, decode_splits=4),
-    KernelFamily(name="trtllm", tile_k=128, decode_splits=4),
+    KernelFamily(name="fa2", tile_k=128, decode_tile_k=256, decode_splits=4),
+    KernelFamily(name="fa3", tile_k=128, decode_tile_k=192, decode_splits=4),
+    KernelFamily(name="flashinfer", tile_k=64, decode_tile_k=64, decode_splits=4),
+    KernelFamily(name="trtllm", tile_k=128, decode_tile_k=128, decode_splits=4),
 )}
 
 
@@ -54,7 +61,7 @@ def quantize_kv(x: torch.Tensor, kv_scale: float = 1.0) -> torch.Tensor:
 
 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-             scale: float, family: KernelFamily):
+             scale: float, family: KernelFamily, tile_k: int):
     """Online softmax over key tiles. q: [B, H, Tq, D], k/v: [B, H, Tk, D], allowed:
     [B, 1|H, Tq, Tk] bool → (m [B,H,Tq], l [B,H,Tq], o [B,H,Tq,D]) unnormalized, FP32."""
     b, h, tq, d = q.shape
@@ -62,11 +69,11 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.T
     l = torch.zeros((b, h, tq), dtype=torch.float32, device=q.device)
     o = torch.zeros((b, h, tq, v.shape[-1]), dtype=torch.float32, device=q.device)
     qf = q.float()
-    for k0 in range(0, k.shape[2], family.tile_k):
-        kt = k[:, :, k0:k0 + family.tile_k].float()
-        vt = v[:, :, k0:k0 + family.tile_k]
+    for k0 in range(0, k.shape[2], tile_k):
+        kt = k[:, :, k0:k0 + tile_k].float()
+        vt = v[:, :, k0:k0 + tile_k]
         s = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # (B, H, Tq, tile)
-        s = s.masked_fill(~allowed[..., k0:k0 + family.tile_k], -math.inf)
+        s = s.masked_fill(~allowed[..., k0:k0 + tile_k], -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - m_safe[..., None])
@@ -83,11 +90,14 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     allowed: torch.Tensor, scale: float, family: KernelFamily) -> torch.Tensor:
     """q: [B, H, Tq, D]; k, v: [B, H, Tk, D] (GQA already expanded); allowed: bool mask
     broadcastable to [B, H, Tq, Tk] → output [B, H, Tq, D] in q.dtype."""
-    splits = family.decode_splits if q.shape[2] == 1 else 1
+    decode = q.shape[2] == 1
+    splits = family.decode_splits if decode else 1
+    tile = family.decode_tile_k if decode else family.tile_k
     tk = k.shape[2]
-    per = max(family.tile_k, math.ceil(tk / splits / family.tile_k) * family.tile_k)
+    per = max(tile, math.ceil(tk / splits / tile) * tile)
     parts = [_partial(q, k[:, :, s0:s0 + per], v[:, :, s0:s0 + per],
-                      allowed[..., s0:s0 + per], scale, family) for s0 in range(0, tk, per)]
+                      allowed[..., s0:s0 + per], scale, family, tile)
+             for s0 in range(0, tk, per)]
     if len(parts) == 1:
         m, l, o = parts[0]
     else:  # merge the split-KV partials in FP32, as the flash-decoding combine kernel does
