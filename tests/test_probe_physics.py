@@ -1,4 +1,4 @@
-"""Physics of the emulated samplers on the embedded model (`slow`: five probes).
+"""Physics of the emulated samplers on the embedded model (`slow`: five probes of 1024 prompts).
 
 Each figure comes from enough tokens that the 95% intervals of the compared configurations do
 not overlap (reports/probe-physics.md has the full-size run)."""
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def _k3(**kw) -> tuple[float, float, float]:
-    s = run_probe(ProbeConfig(n_prompts=512, **kw)).summary
+    s = run_probe(ProbeConfig(n_prompts=1024, **kw)).summary
     lo, hi = s["total"]["kl_k3_ci95"]
     return s["total"]["kl_k3"], lo, hi
 
