@@ -62,7 +62,7 @@ def test_probe_table_for_bf16(moe_dir, prompt_file, tmp_path):
     assert s["sources"]["precision"]["kl_k3"] == 0  # BF16 weights are the trainer's own
 
 
-def _one_line_error(res, *needles: str) -> None:
+def _check_one_line_error(res, *needles: str) -> None:
     assert res.exit_code == 2, res.output
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mismatch: error:"), res.stderr
@@ -72,32 +72,32 @@ def _one_line_error(res, *needles: str) -> None:
 
 
 def test_bad_gpu_dtype_and_pair():
-    _one_line_error(_probe("--gpu", "v100", "--dtype", "bf16"), "unknown gpu 'v100'", "a100")
-    _one_line_error(_probe("--gpu", "a100", "--dtype", "int3"), "unknown dtype", "nvfp4")
-    _one_line_error(_probe("--gpu", "a100", "--dtype", "nvfp4"), "a100 cannot run nvfp4",
+    _check_one_line_error(_probe("--gpu", "v100", "--dtype", "bf16"), "unknown gpu 'v100'", "a100")
+    _check_one_line_error(_probe("--gpu", "a100", "--dtype", "int3"), "unknown dtype", "nvfp4")
+    _check_one_line_error(_probe("--gpu", "a100", "--dtype", "nvfp4"), "a100 cannot run nvfp4",
                     "can run: bf16")
 
 
 def test_missing_model_and_missing_tokenizer(tmp_path, prompt_file):
-    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(tmp_path / "nope")),
+    _check_one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(tmp_path / "nope")),
                     "does not exist")
     no_tok = build_tiny_model(tmp_path / "notok", kind="moe", tokenizer=False)
-    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(no_tok),
+    _check_one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(no_tok),
                            "--prompts", str(prompt_file)), "tokenizer")
 
 
 def test_empty_prompt_file_and_too_long_prompts(moe_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir),
+    _check_one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir),
                            "--prompts", str(empty)), "holds no prompts")
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "word " * 400}) + "\n")
-    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir),
+    _check_one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir),
                            "--prompts", str(long)), "exceeds the model's context")
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
-    _one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir),
+    _check_one_line_error(_probe("--gpu", "a100", "--dtype", "bf16", "--model", str(moe_dir),
                            "--prompts", str(bad)), "not JSON")
 
 
