@@ -483,8 +483,6 @@ _E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def _fake_nvfp4_act(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    from .formats import threshold_codes
-
     xb = _blocks(x, 16).float()
     gs = 1.0 / input_scale
     sf = (gs * (xb.abs().amax(dim=-1) * (1.0 / E2M1_MAX))).clamp(max=E4M3_MAX)

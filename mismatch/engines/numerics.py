@@ -281,9 +281,9 @@ def _register_attention() -> None:
 
 @contextlib.contextmanager
 def eager_experts(model: torch.nn.Module):
-    """Run fused MoE experts through their eager per-expert loop (one F.linear per expert slice)
-    instead of a grouped GEMM, so each expert's GEMM can be intercepted. The reference scorer
-    uses the same path, so both sides share the expert kernels."""
+    """Run fused MoE experts through transformers' eager per-expert loop rather than a grouped
+    GEMM. Qwen3-MoE-layout experts get the emulator's own forward anyway (moe.py); this keeps
+    any other layout on one and the same expert kernel on every side of a comparison."""
     config = model.config
     previous = getattr(config, "_experts_implementation", None)
     config._experts_implementation = "eager"
