@@ -93,6 +93,17 @@ class NumericsSpec:
     """Attention kernel family."""
     kernel_path: str
     """One line saying what runs, for reports."""
+    split_k: int = 1
+    """K-splits of each emulated GEMM: FP32 partial sums over K/split_k slices, added at the end
+    (a split-K or stream-K kernel's reduction order; 1: one pass)."""
+    router_dtype: Literal["compute", "fp32"] = "compute"
+    """MoE router logits: computed in the compute dtype (Hugging Face and serving engines) or in
+    FP32 (trainers that keep the router in FP32, e.g. Megatron's `moe_router_dtype`)."""
+
+    def numerics_key(self) -> tuple:
+        """What decides the numbers (not the names): equal keys compute identical results."""
+        return (self.compute_dtype, self.weight_codec, self.activation_codec, self.accumulation,
+                self.kv_codec, self.attention, self.split_k, self.router_dtype)
 
     @property
     def label(self) -> str:

@@ -58,3 +58,5 @@ class Scores:
     """[B, T, K] float32 log-probs at the rollout's candidate ids."""
     routed_experts: torch.Tensor | None = None
     """[B, T, L, k] int64 experts chosen per MoE layer."""
+    full_logprobs: torch.Tensor | None = None
+    """[B, T', V] float32 whole log-softmax of the last T' positions, where asked for."""

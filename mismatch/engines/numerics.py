@@ -36,6 +36,7 @@ from quantize.loader import requantize_fp8
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attention
 from .moe import experts_forward, is_fused_experts
+from .routing import router_numerics
 
 __all__ = ["apply_numerics", "calibrate", "quantizable_weights", "eager_experts", "ATTN_IMPL"]
 
@@ -43,6 +44,12 @@ ATTN_IMPL = "mismatch_emulated"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Activation global scale: amax maps to the format's largest code times its block-scale range.
 _ACT_SCALE_DIVISOR = {"fp8-act": 448.0, "nvfp4-act": 6.0 * 448.0}
+# Codecs with dynamic per-group scales (no static input scale) and their group length along K.
+# A K that is not a multiple is zero-padded (zeros change no group's amax): real block-scaled
+# kernels need K % 128 == 0, so on a small model one group covers the whole row.
+_DYNAMIC_GROUPS = {"fp8-group128": 128}
+# Weight codecs with 2-D blocks: weights are zero-padded to whole blocks, then cropped.
+_WEIGHT_BLOCKS = {"fp8-block128": 128}
 
 
 def quantizable_weights(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:
@@ -121,8 +128,13 @@ class _Emulator:
         last = self._last.get(entry.act_key)
         if last is not None and last[0] is source and last[1] == source._version:
             return last[2]
-        xq = fake_quant(x2.float(), codec, global_scale=self.act_scales[entry.act_key],
-                        validate=False)
+        if codec in _DYNAMIC_GROUPS:  # dynamic per-group scales; K padded to whole groups
+            k = x2.shape[-1]
+            xq = fake_quant(F.pad(x2.float(), (0, -k % _DYNAMIC_GROUPS[codec])), codec,
+                            validate=False)[:, :k]
+        else:
+            xq = fake_quant(x2.float(), codec, global_scale=self.act_scales[entry.act_key],
+                            validate=False)
         self._last[entry.act_key] = (source, source._version, xq)
         return xq
 
@@ -138,7 +150,15 @@ class _Emulator:
             return y * (q.scales * entry.weight_scale)
         if xq is None:
             xq = self.quantized_input(x2, entry, source)
-        return torch.matmul(xq, entry.weight.t())
+        splits = self.spec.split_k
+        k = xq.shape[-1]
+        if splits <= 1 or k < 2 * splits:
+            return torch.matmul(xq, entry.weight.t())
+        step = -(-k // splits)  # FP32 partials over K slices, summed in slice order at the end
+        out = torch.matmul(xq[:, :step], entry.weight[:, :step].t())
+        for k0 in range(step, k, step):
+            out = out + torch.matmul(xq[:, k0:k0 + step], entry.weight[:, k0:k0 + step].t())
+        return out
 
     def batched(self) -> bool:
         """Whether activations can be quantized once per MoE stage (not with codes-level
@@ -199,6 +219,10 @@ def _serve_weights(group: str, members: list[tuple[str, torch.Tensor]],
         amax = torch.stack([w.abs().amax().float() for w in weights]).max()
         shared = torch.where(amax > 0, amax / (6.0 * 448.0), torch.ones_like(amax))
         return [encode(w, codec, global_scale=shared) for w in weights]
+    if codec in _WEIGHT_BLOCKS:
+        n = _WEIGHT_BLOCKS[codec]
+        return [encode(F.pad(w, (0, -w.shape[1] % n, 0, -w.shape[0] % n)), codec)
+                for w in weights]
     return [encode(w, codec) for w in weights]
 
 
@@ -233,7 +257,7 @@ def _encode_table(model: torch.nn.Module, spec: NumericsSpec) -> dict[int, _Line
                 table[w.data_ptr()] = _Linear(weight=w.detach().float(), act_key=act_key)
             continue
         for (_, w), q in zip(members, _serve_weights(group, members, spec.weight_codec)):
-            entry = _Linear(weight=decode(q), act_key=act_key)
+            entry = _Linear(weight=decode(q)[:w.shape[0], :w.shape[1]], act_key=act_key)
             if fp8_acc and spec.weight_codec == "fp8":
                 entry.weight_elems = decode_codes(q.codes, get_format("e4m3"))
                 entry.weight_scale = q.scales
@@ -331,11 +355,13 @@ def calibrate(model: torch.nn.Module, spec: NumericsSpec, batches) -> dict[str, 
 def apply_numerics(model: torch.nn.Module, spec: NumericsSpec, act_scales=None, *,
                    kernels: bool = True):
     """Run `model` with `spec`'s numerics inside the block. kernels=False keeps the reference
-    attention (torch SDPA) and emulates formats only (the "precision" configuration)."""
+    attention (torch SDPA) and emulates formats only (the "precision" configuration). MoE routers
+    compute their logits in `spec.router_dtype` (routing.py)."""
     if spec.activation_codec is not None and not act_scales:
         raise ValueError(f"{spec.label}: activation quantization needs calibrated scales; "
                          f"call calibrate() first")
     emulator = _Emulator(_build_table(model, spec), spec, act_scales or {}, None)
     family = KERNEL_FAMILIES.get(spec.attention) if kernels else None
-    with _attention(model, family, spec.kv_codec is not None), _patched(model, emulator):
+    with _attention(model, family, spec.kv_codec is not None), _patched(model, emulator), \
+            router_numerics(model, spec.router_dtype):
         yield

@@ -73,10 +73,20 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *,
              pad_id: int, eos_ids: set[int], label: str, mode: str = "emulated",
-             with_routing: bool = True) -> Rollout:
-    """Sample completions for token-id prompts under the numerics active on `model`."""
+             with_routing: bool = True, forced: torch.Tensor | None = None,
+             keep_full: bool = False) -> Rollout:
+    """Sample completions for token-id prompts under the numerics active on `model`.
+
+    forced: [B, n] completion tokens to feed instead of sampling (a replay of an earlier rollout
+    of the same prompts through this decode path: its log-probs are what this configuration
+    would have reported for those tokens). keep_full: also keep the whole raw log-softmax of
+    every step, `meta["full_logprobs"]` [B, n, V] FP32."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
+    if forced is not None and (forced.ndim != 2 or forced.shape[0] != len(prompts)
+                               or forced.shape[1] < 1):
+        raise ValueError(f"forced tokens must be [{len(prompts)}, n >= 1], got "
+                         f"{tuple(forced.shape)}")
     b, p = len(prompts), max(len(x) for x in prompts)
     ids = torch.full((b, p), pad_id, dtype=torch.long)
     mask = torch.zeros((b, p), dtype=torch.long)
@@ -88,6 +98,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     g = torch.Generator(device=device).manual_seed(params.seed)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     raw_lp, proc_lp, cand_ids, cand_lp, done_masks, tokens = [], [], [], [], [], []
+    full: list[torch.Tensor] = []
+    steps = params.max_new_tokens if forced is None else forced.shape[1]
     routing: list[list[torch.Tensor]] = []
     ctx = record_routing(model, routing) if with_routing else contextlib.nullcontext()
     with ctx:
@@ -95,11 +107,16 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
                     use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         finished = torch.zeros(b, dtype=torch.bool, device=device)
-        for _ in range(params.max_new_tokens):
+        for step in range(steps):
             logits = out.logits[:, -1].float()
             raw = torch.log_softmax(logits, dim=-1)
             proc = process_logits(logits, params)
-            token = torch.multinomial(proc.exp(), 1, generator=g)[:, 0]
+            if forced is None:
+                token = torch.multinomial(proc.exp(), 1, generator=g)[:, 0]
+            else:
+                token = forced[:, step].to(device)
+            if keep_full:
+                full.append(raw.cpu())
             token = torch.where(finished, torch.full_like(token, pad_id), token)
             live = ~finished
             raw_lp.append(raw.gather(-1, token[:, None])[:, 0])
@@ -135,6 +152,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
                                  torch.stack(cand_ids, 1)], dim=1),
         candidate_logprobs=torch.cat([torch.zeros(b, p, k), torch.stack(cand_lp, 1)], dim=1),
         sampler=label, mode=mode, meta={"prompt_width": p})
+    if keep_full:
+        rollout.meta["full_logprobs"] = torch.stack(full, 1)
     if routing and all(r for r in routing):
         # per layer: the prefill call [B·P, k], then one [B, k] call per generated token but
         # the last (whose KV was never needed) — so the last generated position has no routing

@@ -13,6 +13,7 @@ import contextlib
 import torch
 
 from ..records import Rollout, Scores
+from .routing import routers as find_routers
 
 __all__ = ["score", "position_ids", "record_routing"]
 
@@ -22,16 +23,10 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules()
-            if hasattr(m, "top_k") and hasattr(m, "num_experts") and hasattr(m, "weight")
-            and isinstance(getattr(m, "weight"), torch.nn.Parameter)]
-
-
 @contextlib.contextmanager
 def record_routing(model: torch.nn.Module, sink: list[list[torch.Tensor]]):
     """Append each router call's chosen experts [N, k] to sink[layer] while inside."""
-    routers = _routers(model)
+    routers = find_routers(model)
     sink.extend([] for _ in routers)
     handles = []
     for i, router in enumerate(routers):
@@ -47,8 +42,11 @@ def record_routing(model: torch.nn.Module, sink: list[list[torch.Tensor]]):
 
 @torch.no_grad()
 def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
-          with_routing: bool = True) -> Scores:
-    """Teacher-forced log-probs of rollout.token_ids under `model` as it is configured now."""
+          with_routing: bool = True, full_from: int | None = None) -> Scores:
+    """Teacher-forced log-probs of rollout.token_ids under `model` as it is configured now.
+
+    full_from: also return the whole log-softmax [B, T - full_from, V] (FP32) of the positions
+    from `full_from` on (the completion, for exact full-vocabulary KL)."""
     ids, mask = rollout.token_ids, rollout.attention_mask
     b, t = ids.shape
     routing: list[list[torch.Tensor]] = []
@@ -63,9 +61,16 @@ def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
     lp = torch.empty(b * (t - 1), dtype=torch.float32)
     top1 = torch.empty(b * (t - 1), dtype=torch.long)
     cand_lp = torch.empty(cand.shape, dtype=torch.float32)
+    full = None
+    if full_from is not None:
+        if not 1 <= full_from < t:
+            raise ValueError(f"full_from must be in [1, {t}), got {full_from}")
+        full = torch.empty(b, t - 1, head.weight.shape[0], dtype=torch.float32)
     for r0 in range(0, flat.shape[0], row_chunk):
         logits = head(flat[r0:r0 + row_chunk]).float()  # (chunk, V) FP32 tile
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        if full is not None:
+            full.view(b * (t - 1), -1)[r0:r0 + row_chunk] = logits - lse
         lp[r0:r0 + row_chunk] = (logits.gather(-1, targets[r0:r0 + row_chunk, None]) - lse)[:, 0]
         top1[r0:r0 + row_chunk] = logits.argmax(-1)
         cand_lp[r0:r0 + row_chunk] = logits.gather(-1, cand[r0:r0 + row_chunk]) - lse
@@ -78,4 +83,5 @@ def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
         # each router saw all B·T tokens once: [B·T, k] per layer → [B, T, L, k]
         routed = torch.stack([r[0].view(b, t, -1) for r in routing], dim=2)
     return Scores(logprobs=logprobs, top1_ids=top1_ids, candidate_logprobs=cand_out,
-                  routed_experts=routed)
+                  routed_experts=routed,
+                  full_logprobs=None if full is None else full[:, full_from - 1:])
