@@ -154,6 +154,27 @@ def probe_command(
     out: Path | None = typer.Option(None, "--out", help="Write results.json, report.md and "
                                     "plots here (default: runs/probe-<gpu>-<dtype>)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object to stdout."),
+    sources: str | None = typer.Option(
+        None, "--sources", help="Break the mismatch down by source: a comma list of kernels, "
+        "precision, accelerator, routing, staleness, retokenization, sampling, or all."),
+    ladder: bool = typer.Option(False, "--ladder", help="Add the sources one at a time "
+                                "(kernels -> + precision -> + accelerator) and attribute the "
+                                "total."),
+    trainer_gpu: str = typer.Option("b200", "--trainer-gpu", help="The trainer's GPU (the "
+                                    "ladder's first rungs run there)."),
+    subset_prompts: int = typer.Option(128, "--subset-prompts", help="Prompts for the "
+                                       "per-GPU, fleet and sampling probes."),
+    fleet_shares: str | None = typer.Option(
+        None, "--fleet-shares", help="Capacity shares of the fleet's groups, e.g. "
+        "b200-nvfp4=2,h100-fp8=1 (unlisted groups 0; default: equal shares)."),
+    top_p: float = typer.Option(0.9, "--top-p", help="Top-p of the sampling probe's sampler."),
+    staleness_max_lag: int = typer.Option(8, "--staleness-max-lag", help="Largest staleness "
+                                          "(optimizer steps) the staleness probe measures."),
+    staleness_lr: float = typer.Option(1e-5, "--staleness-lr", help="AdamW learning rate of "
+                                       "the staleness probe's policy-gradient steps."),
+    staleness_checkpoints: Path | None = typer.Option(
+        None, "--staleness-checkpoints", help="Directory of your checkpoints in training order "
+        "(subdirectories), instead of generated steps."),
 ) -> None:
     """Measure sampler-trainer log-prob divergence for a GPU x precision, by source."""
     import json as _json
@@ -166,15 +187,32 @@ def probe_command(
 
     try:
         resolve(gpu, dtype, kv_cache)  # fail fast, before loading anything
+        resolve(trainer_gpu, trainer_dtype)
+        from probes import parse_sources
+
         cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache, trainer_dtype=trainer_dtype,
                           model=model, prompts=prompts, n_prompts=n_prompts,
                           max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-                          threads=threads)
-        result = _with_progress(run_probe, cfg, quiet=as_json)
+                          threads=threads, sources=parse_sources(sources), ladder=ladder,
+                          trainer_gpu=trainer_gpu.lower(), subset_prompts=subset_prompts,
+                          fleet_shares=_parse_shares(fleet_shares), top_p=top_p,
+                          staleness_max_lag=staleness_max_lag, staleness_lr=staleness_lr,
+                          staleness_checkpoints=staleness_checkpoints)
+        if cfg.sources or cfg.ladder:
+            from probes.accelerator import fleet_groups
+
+            fleet_groups(cfg.fleet_shares)  # bad shares fail before any work
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     command = "mismatch " + " ".join(sys.argv[1:]) if sys.argv[1:] else "mismatch probe"
     target = out or Path("runs") / f"probe-{cfg.gpu}-{cfg.dtype}"
+    if cfg.sources or cfg.ladder:
+        _probe_sources(cfg, target, command, as_json)
+        return
+    try:
+        result = _with_progress(run_probe, cfg, quiet=as_json)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     write_probe_outputs(target, result, command)
     s = result.summary
     if as_json:
@@ -185,6 +223,62 @@ def probe_command(
     typer.echo(f"{s['tokens']} completion tokens from {s['prompts']} prompts, model {s['model']}")
     typer.echo(format_table(s))
     typer.echo(f"wrote {target}/results.json, report.md, log_ratio_hist.png, per_position.png")
+
+
+def _parse_shares(text: str | None) -> tuple[tuple[str, float], ...]:
+    """"b200-nvfp4=2,h100-fp8=1" → (("b200-nvfp4", 2.0), ("h100-fp8", 1.0))."""
+    if not text:
+        return ()
+    out = []
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        try:
+            out.append((name.strip().lower(), float(value)))
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"--fleet-shares: {item.strip()!r} is not GROUP=SHARE "
+                             f"(e.g. b200-nvfp4=2)")
+    return tuple(out)
+
+
+def _probe_sources(cfg, target: Path, command: str, as_json: bool) -> None:
+    """`mismatch probe --sources ... [--ladder]`: run, write, print."""
+    import json as _json
+
+    from mismatch.sources_report import format_sources_table, write_sources_outputs
+    from probes.runner import run_sources
+
+    try:
+        if as_json:
+            run = run_sources(cfg)
+        else:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+            with Progress("[progress.description]{task.description}", BarColumn(),
+                          MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=Console(stderr=True), transient=True) as bar:
+                tasks: dict[str, int] = {}
+
+                def progress(label: str, done: int, total: int) -> None:
+                    if label not in tasks:
+                        tasks[label] = bar.add_task(label, total=total)
+                    bar.update(tasks[label], completed=done, total=total)
+
+                run = run_sources(cfg, progress)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    write_sources_outputs(target, run, command)
+    s = run.summary
+    if as_json:
+        typer.echo(_json.dumps(s))
+        return
+    typer.echo(f"{s['gpu']} {s['dtype']} sampler vs {s['trainer_dtype']} trainer on "
+               f"{s['trainer_gpu']} — EMULATED ({s['kernel_path']}; attention {s['attention']})")
+    typer.echo(f"{s['tokens']} completion tokens from {s['prompts']} prompts, model {s['model']}")
+    typer.echo(format_sources_table(s))
+    typer.echo(f"wrote {target}/results.json, report.md and plots")
 
 
 def _with_progress(fn, cfg, *, quiet: bool):

@@ -76,10 +76,33 @@ class ProbeConfig:
     threads: int | None = None
     """torch intra-op threads (None: 1 for models under 50M parameters, whose many small ops
     only lose to thread synchronization, else torch's default)."""
+    sources: tuple[str, ...] = ()
+    """Source probes to run (probes.SOURCES); empty: the quick total/precision/accelerator probe."""
+    ladder: bool = False
+    """Also add the sources one at a time (kernels → + precision → + accelerator)."""
+    trainer_gpu: str = "b200"
+    """The trainer's GPU (the study trains on B200): the ladder's first rungs run there."""
+    subset_prompts: int = 128
+    """Prompts for the per-GPU, fleet and sampling configurations (the expensive ones)."""
+    fleet_shares: tuple[tuple[str, float], ...] = ()
+    """Capacity shares of the fleet's groups ("gpu-dtype", share); empty: equal shares."""
+    top_p: float = 0.9
+    """Top-p of the sampling probe's sampler."""
+    staleness_max_lag: int = 8
+    """Largest staleness (optimizer steps behind) the staleness probe measures."""
+    staleness_lr: float = 1e-5
+    """AdamW learning rate of the staleness probe's policy-gradient steps."""
+    staleness_checkpoints: Path | None = None
+    """A directory of the user's checkpoints in training order (replaces the generated steps)."""
 
     def __post_init__(self) -> None:
         if self.n_prompts < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
             raise ProbeError("--n-prompts, --batch-size and --max-new-tokens must be >= 1")
+        if self.subset_prompts < 1 or self.staleness_max_lag < 1 or not 0 < self.top_p <= 1:
+            raise ProbeError("--subset-prompts and --staleness-max-lag must be >= 1 and "
+                             "--top-p in (0, 1]")
+        if self.staleness_lr <= 0:
+            raise ProbeError("--staleness-lr must be > 0")
 
 
 def load_prompts(tokenizer, path: Path | None, n: int) -> list[list[int]]:

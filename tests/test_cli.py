@@ -14,9 +14,11 @@ from mismatch.cli import app
 SNAPSHOT = {
     "formats": [],
     "profiles": [],
-    "probe": ["--batch-size", "--dtype", "--gpu", "--json", "--kv-cache", "--max-new-tokens",
-              "--model", "--n-prompts", "--out", "--prompts", "--seed", "--threads",
-              "--trainer-dtype"],
+    "probe": ["--batch-size", "--dtype", "--fleet-shares", "--gpu", "--json", "--kv-cache",
+              "--ladder", "--max-new-tokens", "--model", "--n-prompts", "--out", "--prompts",
+              "--seed", "--sources", "--staleness-checkpoints", "--staleness-lr",
+              "--staleness-max-lag", "--subset-prompts", "--threads", "--top-p",
+              "--trainer-dtype", "--trainer-gpu"],
     "quantize": ["--calib-samples", "--calib-seq-len", "--force", "--format", "--kv-cache",
                  "--model", "--out", "--seed"],
 }

@@ -1,0 +1,104 @@
+"""accelerator: the same checkpoint on every GPU that can serve it, and the study's mixed fleet.
+
+Per GPU: each GPU's real configuration for the `--dtype` checkpoint (mismatch.profiles.resolve:
+Marlin weight-only where the GPU lacks the tensor cores, native W8A8/W4A4 where it has them, its
+GEMM accumulation and its attention kernel family, decode path), against the trainer, on the
+shared tokens. GPUs whose emulation is identical (H100 and H200, B200 and B300: same
+architecture, same kernels) are computed once and reported under both names.
+
+Fleet: the study's mixed samplers (reference/modal-post-mixed-samplers.txt): B200 and B300 serve
+NVFP4, H100 and H200 FP8 and BF16, A100 and RTX PRO 6000 BF16, every group with an FP8 KV cache.
+Each group's KL is reported, and the capacity-weighted mean over groups: the KL of the fleet's
+token stream when a router sends each group its share of requests. The study does not publish its
+shares as numbers, so equal shares are the default; `--fleet-shares` sets them.
+
+These configurations are the most expensive to emulate (each replays the decode path), so they
+run on the first `--subset-prompts` prompts.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mismatch.profiles import GPUS, ProfileError, natural_pairs, resolve
+
+from .base import Batch, ProbeContext, SourceResult, Tally, Variant
+
+
+def fleet_groups(shares: tuple[tuple[str, float], ...] = ()) -> list[tuple[str, str, float]]:
+    """[(gpu, dtype, share)] of the study's fleet, shares normalized to 1."""
+    pairs = natural_pairs()
+    given = {k.lower(): float(v) for k, v in shares}
+    names = {f"{g}-{d}" for g, d in pairs}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ProfileError(f"--fleet-shares: unknown group {unknown[0]!r}; groups: "
+                           f"{', '.join(sorted(names))}")
+    if any(v < 0 or not math.isfinite(v) for v in given.values()):
+        raise ProfileError("--fleet-shares: shares must be finite and >= 0")
+    raw = [(g, d, given.get(f"{g}-{d}", 0.0 if given else 1.0)) for g, d in pairs]
+    total = sum(s for _, _, s in raw)
+    if total <= 0:
+        raise ProfileError("--fleet-shares: at least one share must be > 0")
+    return [(g, d, s / total) for g, d, s in raw]
+
+
+class AcceleratorProbe:
+    name = "accelerator"
+
+    def __init__(self, ctx: ProbeContext) -> None:
+        self.ctx = ctx
+        self.gpus: dict[str, Variant] = {}
+        self.cannot: dict[str, str] = {}
+        for gpu in GPUS:
+            try:
+                spec = resolve(gpu, ctx.spec.dtype, ctx.spec.kv_cache)
+            except ProfileError as exc:
+                self.cannot[gpu] = str(exc).split(";")[0]
+                continue
+            self.gpus[gpu] = Variant(spec=spec, attention=True, path="decode")
+        self.groups = fleet_groups(ctx.cfg.fleet_shares)
+        self.fleet = {f"{g}-{d}": Variant(spec=resolve(g, d, "fp8"), attention=True,
+                                          path="decode") for g, d, _ in self.groups}
+        self.tallies = {f"gpu {k}": Tally() for k in self.gpus}
+        self.tallies.update({f"fleet {k}": Tally() for k in self.fleet})
+        self.batches_needed = min(len(ctx.batches),
+                                  math.ceil(ctx.cfg.subset_prompts / ctx.cfg.batch_size))
+
+    def on_batch(self, batch: Batch) -> None:
+        ref = self.ctx.reference
+        for k, v in self.gpus.items():
+            self.ctx.compare(self.tallies[f"gpu {k}"], ref, v, batch)
+        for k, v in self.fleet.items():
+            self.ctx.compare(self.tallies[f"fleet {k}"], ref, v, batch)
+
+    def finish(self) -> SourceResult:
+        seed = self.ctx.cfg.seed
+        parts = {name: t.summary(seed) for name, t in self.tallies.items()}
+        shares = {f"{g}-{d}": s for g, d, s in self.groups}
+        weighted = {key: sum(shares[g] * parts[f"fleet {g}"][key] for g in shares)
+                    for key in ("kl_exact", "kl_k3", "abs_logprob_diff_mean",
+                                "mis_masked_fraction")}
+        # the fleet's interval: share-weighted sums of per-group bounds (groups are sampled on
+        # the same prompts, so their errors are positively correlated; this is conservative)
+        for key in ("kl_exact_ci95", "kl_k3_ci95"):
+            weighted[key] = [sum(shares[g] * parts[f"fleet {g}"][key][i] for g in shares)
+                             for i in (0, 1)]
+        target = parts[f"gpu {self.ctx.spec.gpu}"]
+        by_gpu = {g: parts[f"gpu {g}"]["kl_exact"] for g in self.gpus}
+        notes = [f"Per GPU: the {self.ctx.spec.dtype} checkpoint as each GPU serves it "
+                 f"(KV {self.ctx.spec.kv_cache}); headline: {self.ctx.spec.gpu}. Fleet: the "
+                 f"study's eight groups with FP8 KV caches, "
+                 + ("equal shares (the study's per-group shares are not published as numbers)."
+                    if not self.ctx.cfg.fleet_shares else "shares from --fleet-shares."),
+                 f"On the first {self.tallies[f'gpu {self.ctx.spec.gpu}'].tokens} completion "
+                 f"tokens (--subset-prompts {self.ctx.cfg.subset_prompts})."]
+        if self.cannot:
+            notes.append("Cannot serve this checkpoint: " + "; ".join(
+                f"{g} ({why})" for g, why in self.cannot.items()))
+        extra = {"kl_exact_by_gpu": by_gpu, "fleet_shares": shares,
+                 "fleet_weighted": weighted, "cannot_serve": self.cannot,
+                 "kernel_path_by_gpu": {g: v.spec.kernel_path for g, v in self.gpus.items()}}
+        return SourceResult(name=self.name, headline=target, parts=parts, extra=extra,
+                            notes=notes,
+                            log_ratio=self.tallies[f"gpu {self.ctx.spec.gpu}"].log_ratio())
