@@ -23,6 +23,10 @@ per-sequence tensors; nothing calls `.item()`.
 
 from __future__ import annotations
 
+import math
+import warnings
+
+import numpy as np
 import torch
 
 __all__ = [
@@ -36,6 +40,7 @@ __all__ = [
     "exact_kl",
     "top1_agreement",
     "divergence_summary",
+    "bootstrap_ci",
 ]
 
 MIS_LOW, MIS_HIGH = 0.5, 5.0  # the IcePop / study MIS range for π/μ (NUMERICS.md §5)
@@ -183,3 +188,32 @@ def divergence_summary(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
     out.update(ratio_stats(trainer_logprobs, sampler_logprobs, mask))
     out.update(logprob_diff_stats(trainer_logprobs, sampler_logprobs, mask))
     return out
+
+
+def bootstrap_ci(sums: torch.Tensor, counts: torch.Tensor, seed: int = 0,
+                 n_boot: int = 1000) -> list[float]:
+    """95% BCa bootstrap interval (scipy.stats.bootstrap) of Σsums / Σcounts, resampling whole
+    sequences: the tokens of one sequence share a context and are not independent."""
+    from scipy.stats import bootstrap
+
+    if counts.numel() < 2:
+        return [math.nan, math.nan]
+    x, n = sums.double().numpy(), counts.double().numpy()
+    if float(abs(x).max()) == 0:
+        return [0.0, 0.0]
+
+    def ratio(a, b, axis=-1):
+        return a.sum(axis=axis) / b.sum(axis=axis)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # degenerate resamples (all-equal data) are fine here
+        res = bootstrap((x, n), ratio, paired=True, vectorized=True, n_resamples=n_boot,
+                        confidence_level=0.95, method="BCa",
+                        rng=np.random.default_rng(seed))
+    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    if not (math.isfinite(lo) and math.isfinite(hi)):  # BCa undefined: fall back to percentile
+        res = bootstrap((x, n), ratio, paired=True, vectorized=True, n_resamples=n_boot,
+                        confidence_level=0.95, method="percentile",
+                        rng=np.random.default_rng(seed))
+        lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return [lo, hi]

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .metrics import divergence_summary, log_ratio
+from .metrics import bootstrap_ci, divergence_summary, log_ratio
 from .profiles import NumericsSpec, resolve, trainer_spec
 from .records import Rollout
 
@@ -164,20 +164,14 @@ def _summary(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor,
 
 
 def _bootstrap_ci(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor,
-                  seed: int, n_boot: int = 400) -> tuple[float, float]:
+                  seed: int) -> tuple[float, float]:
     """95% interval of mean k3 resampling whole sequences (tokens of a sequence are correlated)."""
     r = log_ratio(reference, other).clamp(-20, 20)
     k3 = (torch.expm1(r) - r) * mask.double()
     per_seq_sum, per_seq_n = k3.sum(-1), mask.double().sum(-1)
     keep = per_seq_n > 0
-    per_seq_sum, per_seq_n = per_seq_sum[keep], per_seq_n[keep]
-    if per_seq_n.numel() == 0:
-        return (math.nan, math.nan)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, per_seq_n.numel(), (n_boot, per_seq_n.numel()), generator=g)
-    means = per_seq_sum[idx].sum(-1) / per_seq_n[idx].sum(-1)
-    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=means.dtype))
-    return float(lo), float(hi)
+    lo, hi = bootstrap_ci(per_seq_sum[keep], per_seq_n[keep], seed)
+    return lo, hi
 
 
 @dataclass

@@ -13,7 +13,7 @@ token stream when a router sends each group its share of requests. The study doe
 shares as numbers, so equal shares are the default; `--fleet-shares` sets them.
 
 These configurations are the most expensive to emulate (each replays the decode path), so they
-run on the first `--subset-prompts` prompts.
+run on the first `--subset-prompts` prompts; the headline (the target GPU) runs on all.
 """
 
 from __future__ import annotations
@@ -62,11 +62,17 @@ class AcceleratorProbe:
                                           path="decode") for g, d, _ in self.groups}
         self.tallies = {f"gpu {k}": Tally() for k in self.gpus}
         self.tallies.update({f"fleet {k}": Tally() for k in self.fleet})
-        self.batches_needed = min(len(ctx.batches),
-                                  math.ceil(ctx.cfg.subset_prompts / ctx.cfg.batch_size))
+        self.headline = Tally()
+        self.batches_needed = len(ctx.batches)
+        self.grid_batches = math.ceil(ctx.cfg.subset_prompts / ctx.cfg.batch_size)
 
     def on_batch(self, batch: Batch) -> None:
+        """The target GPU on every batch; the other GPUs and the fleet on the first
+        --subset-prompts."""
         ref = self.ctx.reference
+        self.ctx.compare(self.headline, ref, self.ctx.sampler, batch)
+        if batch.index >= self.grid_batches:
+            return
         for k, v in self.gpus.items():
             self.ctx.compare(self.tallies[f"gpu {k}"], ref, v, batch)
         for k, v in self.fleet.items():
@@ -84,15 +90,16 @@ class AcceleratorProbe:
         for key in ("kl_exact_ci95", "kl_k3_ci95"):
             weighted[key] = [sum(shares[g] * parts[f"fleet {g}"][key][i] for g in shares)
                              for i in (0, 1)]
-        target = parts[f"gpu {self.ctx.spec.gpu}"]
+        target = self.headline.summary(seed)
         by_gpu = {g: parts[f"gpu {g}"]["kl_exact"] for g in self.gpus}
         notes = [f"Per GPU: the {self.ctx.spec.dtype} checkpoint as each GPU serves it "
                  f"(KV {self.ctx.spec.kv_cache}); headline: {self.ctx.spec.gpu}. Fleet: the "
                  f"study's eight groups with FP8 KV caches, "
                  + ("equal shares (the study's per-group shares are not published as numbers)."
                     if not self.ctx.cfg.fleet_shares else "shares from --fleet-shares."),
-                 f"On the first {self.tallies[f'gpu {self.ctx.spec.gpu}'].tokens} completion "
-                 f"tokens (--subset-prompts {self.ctx.cfg.subset_prompts})."]
+                 f"Headline on all {self.headline.tokens} completion tokens; the per-GPU and "
+                 f"fleet rows on the first {self.tallies[f'gpu {self.ctx.spec.gpu}'].tokens} "
+                 f"(--subset-prompts {self.ctx.cfg.subset_prompts})."]
         if self.cannot:
             notes.append("Cannot serve this checkpoint: " + "; ".join(
                 f"{g} ({why})" for g, why in self.cannot.items()))
@@ -101,4 +108,4 @@ class AcceleratorProbe:
                  "kernel_path_by_gpu": {g: v.spec.kernel_path for g, v in self.gpus.items()}}
         return SourceResult(name=self.name, headline=target, parts=parts, extra=extra,
                             notes=notes,
-                            log_ratio=self.tallies[f"gpu {self.ctx.spec.gpu}"].log_ratio())
+                            log_ratio=self.headline.log_ratio())

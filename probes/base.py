@@ -13,7 +13,7 @@ Every comparison reports, besides the token-level estimators of mismatch/metrics
 full-vocabulary KL(μ‖π) at each sampled position (`kl_exact`): it needs no sampling of the
 compared distributions, so its spread over positions is far smaller than k3's and its 95%
 interval (a bootstrap over whole sequences: tokens of a sequence are correlated) is the one the
-ladder and the bars are drawn with. Direction: `reference` plays the trainer π, `other` the
+ladder and the bars are drawn with (scipy's BCa bootstrap). Direction: `reference` plays the trainer π, `other` the
 sampler μ.
 """
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
-from mismatch.metrics import divergence_summary, exact_kl, log_ratio
+from mismatch.metrics import bootstrap_ci, divergence_summary, exact_kl, log_ratio
 from mismatch.profiles import NumericsSpec, resolve, trainer_spec
 from mismatch.records import Rollout
 
@@ -320,7 +320,7 @@ class Tally:
         out = [log_ratio(r, o)[m.bool()] for r, o, m in zip(self.reference, self.other, self.mask)]
         return torch.cat(out).float() if out else torch.zeros(0)
 
-    def summary(self, seed: int = 0, n_boot: int = 400) -> dict:
+    def summary(self, seed: int = 0, n_boot: int = 1000) -> dict:
         """The SUMMARY_KEYS figures, `tokens`, `kl_exact` and both 95% intervals."""
         if not self.mask or self.tokens == 0:
             raise ValueError("nothing to summarize: no completion tokens were compared")
@@ -332,27 +332,20 @@ class Tally:
         k3 = (torch.expm1(lr) - lr) * m.double()
         per_n = m.double().sum(-1)
         keep = per_n > 0
-        g = torch.Generator().manual_seed(seed)
-        idx = torch.randint(0, int(keep.sum()), (n_boot, int(keep.sum())), generator=g)
-        out["kl_k3_ci95"] = _interval(k3.sum(-1)[keep], per_n[keep], idx)
+        out["kl_k3_ci95"] = bootstrap_ci(k3.sum(-1)[keep], per_n[keep], seed, n_boot)
         if self.exact:
             ex = torch.cat(self.exact)
             out["kl_exact"] = float(ex.sum() / m.double().sum())
-            out["kl_exact_ci95"] = _interval(ex.sum(-1)[keep], per_n[keep], idx)
+            out["kl_exact_ci95"] = bootstrap_ci(ex.sum(-1)[keep], per_n[keep], seed, n_boot)
             half = (out["kl_exact_ci95"][1] - out["kl_exact_ci95"][0]) / 2
             out["kl_exact_ci_rel"] = half / out["kl_exact"] if out["kl_exact"] > 0 else 0.0
             out["ci_target_met"] = bool(out["kl_exact"] < NOISE_FLOOR
                                         or out["kl_exact_ci_rel"] < CI_REL_TARGET)
+            if not out["ci_target_met"]:
+                # the half-width shrinks as 1/sqrt(sequences): what the target would take
+                out["sequences_for_ci_target"] = int(math.ceil(
+                    int(keep.sum()) * (out["kl_exact_ci_rel"] / CI_REL_TARGET) ** 2))
         return out
-
-
-def _interval(sums: torch.Tensor, counts: torch.Tensor, idx: torch.Tensor) -> list[float]:
-    """95% interval of Σsums/Σcounts resampling whole sequences (rows) with `idx`."""
-    if counts.numel() == 0:
-        return [math.nan, math.nan]
-    means = sums[idx].sum(-1) / counts[idx].sum(-1)
-    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=means.dtype))
-    return [float(lo), float(hi)]
 
 
 @dataclass

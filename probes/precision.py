@@ -15,10 +15,13 @@ GEMM sums). Each stage is compared with the trainer on the shared tokens:
 Where the target GPU accumulates a format's GEMMs in its own way it is used: FP8 W8A8 per-tensor
 on Hopper (sm90) runs the fast-accumulation model (quantize/accumulate.py); elsewhere, and for
 block-scaled FP8 (whose kernels promote to FP32 every 128 K-elements, NUMERICS.md §2), the sums are
-FP32. The headline is the target configuration's own formats (`--dtype`, `--kv-cache`).
+FP32. The headline is the target configuration's own formats (`--dtype`, `--kv-cache`), on every
+prompt; the grid of formats and stages runs on the first `--subset-prompts`.
 """
 
 from __future__ import annotations
+
+import math
 
 from mismatch.profiles import GPUS, NumericsSpec
 
@@ -67,10 +70,13 @@ class PrecisionProbe:
         self.variants["target"] = Variant(spec=own)
         self.tallies = {name: Tally() for name in self.variants}
         self.batches_needed = len(ctx.batches)
+        self.grid_batches = math.ceil(ctx.cfg.subset_prompts / ctx.cfg.batch_size)
 
     def on_batch(self, batch: Batch) -> None:
+        """The headline on every batch; the format × stage grid on the first --subset-prompts."""
         for name, variant in self.variants.items():
-            self.ctx.compare(self.tallies[name], self.ctx.reference, variant, batch)
+            if name == "target" or batch.index < self.grid_batches:
+                self.ctx.compare(self.tallies[name], self.ctx.reference, variant, batch)
 
     def finish(self) -> SourceResult:
         seed = self.ctx.cfg.seed
@@ -81,6 +87,9 @@ class PrecisionProbe:
                  f"{s.kernel_path}) on the reference kernels. Rows: each format applied to "
                  f"weights, then activations, then the KV cache.",
                  "FP8 W8A8 rows use Hopper's fast accumulation when the target GPU is sm90; "
-                 "block-scaled FP8 and all other rows sum in FP32."]
+                 "block-scaled FP8 and all other rows sum in FP32. FP8 activations of the "
+                 "128-block rows use dynamic 1×128 groups (zero-padded where K < 128).",
+                 f"Grid rows: the first {self.tallies['fp8 W'].tokens} completion tokens "
+                 f"(--subset-prompts {self.ctx.cfg.subset_prompts})."]
         return SourceResult(name=self.name, headline=headline, parts=parts, notes=notes,
                             log_ratio=self.tallies["target"].log_ratio())

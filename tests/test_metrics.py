@@ -125,3 +125,22 @@ def test_empty_mask_and_shape_errors():
     assert math.isnan(ratio_stats(trainer, sampler, empty)["ratio_mean"].item())
     with pytest.raises(ValueError, match="shape mismatch"):
         kl_estimators(trainer, sampler[:, :3], empty)
+
+
+def test_bootstrap_ci_matches_the_normal_interval_on_iid_data():
+    """Per-sequence ratio of sums with one token per sequence is a plain mean: the bootstrap
+    interval must match mean ± 1.96·σ/√n (float64 reference) within a few percent."""
+    from mismatch.metrics import bootstrap_ci
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, generator=g, dtype=torch.float64) + 3.0
+    lo, hi = bootstrap_ci(x, torch.ones(4000, dtype=torch.float64), seed=1, n_boot=2000)
+    half = 1.959964 * float(x.std()) / math.sqrt(4000)
+    assert lo < float(x.mean()) < hi
+    assert (hi - lo) / 2 == pytest.approx(half, rel=0.08)
+    # sequences of unequal length: the statistic is Σsums/Σcounts, not a mean of means
+    counts = torch.tensor([1.0, 9.0] * 50, dtype=torch.float64)
+    sums = counts * torch.tensor([0.0, 1.0] * 50, dtype=torch.float64)
+    lo, hi = bootstrap_ci(sums, counts)
+    assert lo < 0.9 < hi and hi - lo < 0.2
+    assert bootstrap_ci(torch.zeros(5, dtype=torch.float64), torch.ones(5)) == [0.0, 0.0]
