@@ -341,7 +341,7 @@ class Tally:
             out["kl_exact_ci_rel"] = half / out["kl_exact"] if out["kl_exact"] > 0 else 0.0
             out["ci_target_met"] = bool(out["kl_exact"] < NOISE_FLOOR
                                         or out["kl_exact_ci_rel"] < CI_REL_TARGET)
-            if not out["ci_target_met"]:
+            if not out["ci_target_met"] and math.isfinite(out["kl_exact_ci_rel"]):
                 # the half-width shrinks as 1/sqrt(sequences): what the target would take
                 out["sequences_for_ci_target"] = int(math.ceil(
                     int(keep.sum()) * (out["kl_exact_ci_rel"] / CI_REL_TARGET) ** 2))

@@ -296,3 +296,12 @@ def test_cli_sources_json_and_report(moe_dir, prompt_file, tmp_path):
     for png in ("source_kl.png", "log_ratio_hist.png", "routing.png", "ladder.png"):
         assert (out / png).stat().st_size > 0, png
     assert not list(tmp_path.glob(".run.tmp-*"))
+
+
+def test_tally_of_one_sequence_has_no_interval_but_a_value():
+    tally = Tally()
+    tally.add(torch.zeros(1, 3), torch.full((1, 3), -0.1), torch.ones(1, 3),
+              exact=torch.full((1, 3), 0.01))
+    s = tally.summary()
+    assert s["kl_exact"] == pytest.approx(0.01) and s["tokens"] == 3
+    assert all(math.isnan(v) for v in s["kl_exact_ci95"]) and s["ci_target_met"] is False
