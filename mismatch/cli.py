@@ -170,7 +170,7 @@ def probe_command(
     top_p: float = typer.Option(0.9, "--top-p", help="Top-p of the sampling probe's sampler."),
     staleness_max_lag: int = typer.Option(8, "--staleness-max-lag", help="Largest staleness "
                                           "(optimizer steps) the staleness probe measures."),
-    staleness_lr: float = typer.Option(1e-5, "--staleness-lr", help="AdamW learning rate of "
+    staleness_lr: float = typer.Option(1e-4, "--staleness-lr", help="AdamW learning rate of "
                                        "the staleness probe's policy-gradient steps."),
     staleness_checkpoints: Path | None = typer.Option(
         None, "--staleness-checkpoints", help="Directory of your checkpoints in training order "

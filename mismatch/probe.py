@@ -90,7 +90,7 @@ class ProbeConfig:
     """Top-p of the sampling probe's sampler."""
     staleness_max_lag: int = 8
     """Largest staleness (optimizer steps behind) the staleness probe measures."""
-    staleness_lr: float = 1e-5
+    staleness_lr: float = 1e-4
     """AdamW learning rate of the staleness probe's policy-gradient steps."""
     staleness_checkpoints: Path | None = None
     """A directory of the user's checkpoints in training order (replaces the generated steps)."""
