@@ -78,3 +78,16 @@ def test_bad_configs():
         accumulate_matmul(torch.zeros(2, 2), torch.zeros(2, 2), "tf32")
     with pytest.raises(QuantizeError, match=r"\[M, K\] @ \[K, N\]"):
         accumulate_matmul(torch.zeros(2, 3), torch.zeros(2, 2), "fp32")
+
+
+def test_truncate_mantissa_bit_mask_equals_frexp_trunc_on_random_normals():
+    """The integer mask is the float definition: ldexp(trunc(m·2^(b+1)) / 2^(b+1), e)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-60, 60, (20000,), generator=g).double())
+    x[:3] = torch.tensor([0.0, -0.0, 1.0], dtype=torch.float64)
+    for mbits in (0, 7, 13, 23, 52):
+        m, e = torch.frexp(x)
+        step = float(2 ** (mbits + 1))
+        reference = torch.ldexp(torch.trunc(m * step) / step, e)
+        assert torch.equal(truncate_mantissa(x, mbits), reference), mbits
