@@ -175,6 +175,11 @@ def probe_command(
     staleness_checkpoints: Path | None = typer.Option(
         None, "--staleness-checkpoints", help="Directory of your checkpoints in training order "
         "(subdirectories), instead of generated steps."),
+    ci_target: float = typer.Option(0.0, "--ci-target", help="With --sources: keep drawing "
+                                    "held-out prompts until every headline KL's 95% half-width "
+                                    "is under this fraction of its value, e.g. 0.2 (0: off)."),
+    max_prompts: int = typer.Option(4096, "--max-prompts", help="Cap on the prompts "
+                                    "--ci-target may draw."),
 ) -> None:
     """Measure sampler-trainer log-prob divergence for a GPU x precision, by source."""
     import json as _json
@@ -197,7 +202,8 @@ def probe_command(
                           trainer_gpu=trainer_gpu.lower(), subset_prompts=subset_prompts,
                           fleet_shares=_parse_shares(fleet_shares), top_p=top_p,
                           staleness_max_lag=staleness_max_lag, staleness_lr=staleness_lr,
-                          staleness_checkpoints=staleness_checkpoints)
+                          staleness_checkpoints=staleness_checkpoints, ci_target=ci_target,
+                          max_prompts=max(max_prompts, n_prompts))
         if cfg.sources or cfg.ladder:
             from probes.accelerator import fleet_groups
 

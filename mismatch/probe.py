@@ -94,6 +94,11 @@ class ProbeConfig:
     """AdamW learning rate of the staleness probe's policy-gradient steps."""
     staleness_checkpoints: Path | None = None
     """A directory of the user's checkpoints in training order (replaces the generated steps)."""
+    ci_target: float = 0.0
+    """Keep drawing held-out prompts until every headline KL's 95% half-width is under this
+    fraction of its value (0: off; the study's target is 0.2)."""
+    max_prompts: int = 4096
+    """Cap on prompts drawn for --ci-target."""
 
     def __post_init__(self) -> None:
         if self.n_prompts < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
@@ -103,15 +108,18 @@ class ProbeConfig:
                              "--top-p in (0, 1]")
         if self.staleness_lr <= 0:
             raise ProbeError("--staleness-lr must be > 0")
+        if not 0 <= self.ci_target < 1 or self.max_prompts < self.n_prompts:
+            raise ProbeError("--ci-target must be in [0, 1) and --max-prompts >= --n-prompts")
 
 
-def load_prompts(tokenizer, path: Path | None, n: int) -> list[list[int]]:
-    """Token-id prompts: the shipped held-out tasks rendered with the chat template, or a JSONL
-    file of {"messages": [...]} (rendered with the template) or {"prompt": "text"} lines."""
+def load_prompts(tokenizer, path: Path | None, n: int, *, start: int = 0) -> list[list[int]]:
+    """Token-id prompts: the shipped held-out tasks rendered with the chat template (from task
+    `start` on), or a JSONL file of {"messages": [...]} (rendered with the template) or
+    {"prompt": "text"} lines."""
     if path is None:
         from .zoo.tasks import TOOLS, generate_tasks
 
-        tasks = generate_tasks("heldout", n)
+        tasks = generate_tasks("heldout", n, start=start)
         return [list(tokenizer.apply_chat_template(t.prompt_messages(), tools=TOOLS,
                                                    add_generation_prompt=True, tokenize=True,
                                                    return_dict=False)) for t in tasks]

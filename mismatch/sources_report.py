@@ -161,8 +161,13 @@ def sources_markdown(summary: dict, command: str, plots: list[str]) -> str:
            f"- model: {s['model']}; prompts: {s['prompts']}; completion tokens: {s['tokens']}",
            "- KL exact = full-vocabulary KL(sampler ‖ trainer) per sampled position; k3 = the "
            "sampled estimator; intervals: 95% bootstrap over sequences. ⚠ marks a figure above "
-           "the noise floor (1e-7) whose interval half-width is over 20% of its value.", "",
-           "## Per source (headline comparison)", ""]
+           "the noise floor (1e-7) whose interval half-width is over 20% of its value.", ""]
+    ci = s.get("ci_target") or {}
+    if ci.get("target"):
+        out[-1:] = [f"- --ci-target {ci['target']:g}: " + (
+            "met by every headline" if ci.get("met") else
+            f"not met within --max-prompts for: {', '.join(ci.get('unmet', []))}"), ""]
+    out += ["## Per source (headline comparison)", ""]
     out += _parts_table(dict(_columns(s)))
     if "source_kl.png" in plots:
         out += ["", "![KL per source](source_kl.png)"]

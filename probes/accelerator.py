@@ -63,7 +63,7 @@ class AcceleratorProbe:
         self.tallies = {f"gpu {k}": Tally() for k in self.gpus}
         self.tallies.update({f"fleet {k}": Tally() for k in self.fleet})
         self.headline = Tally()
-        self.batches_needed = len(ctx.batches)
+        self.batches_needed: int | None = None  # every batch, extensions included
         self.grid_batches = math.ceil(ctx.cfg.subset_prompts / ctx.cfg.batch_size)
 
     def on_batch(self, batch: Batch) -> None:

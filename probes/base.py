@@ -120,6 +120,7 @@ class ProbeContext:
         self.prompts = load_prompts(self.tokenizer, cfg.prompts, cfg.n_prompts)
         config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         limit = getattr(config, "max_position_embeddings", None)
+        self._context_limit = limit
         longest = max(len(p) for p in self.prompts)
         if limit is not None and longest + cfg.max_new_tokens > limit:
             raise ProbeError(f"a prompt of {longest} tokens plus --max-new-tokens "
@@ -145,6 +146,23 @@ class ProbeContext:
         self.reference = Variant(spec=self.trainer)
 
     # ----------------------------------------------------------------------------- resources
+
+    def extend_prompts(self, n: int) -> int:
+        """Draw up to `n` more held-out prompts (never past --max-prompts) as new batches;
+        returns how many were added (0 for a user's prompt file, which has no more)."""
+        from mismatch.probe import load_prompts
+
+        n = min(n, self.cfg.max_prompts - len(self.prompts))
+        if self.cfg.prompts is not None or n <= 0:
+            return 0
+        more = load_prompts(self.tokenizer, None, n, start=len(self.prompts))
+        limit = self._context_limit
+        if limit is not None:
+            more = [p for p in more if len(p) + self.cfg.max_new_tokens <= limit]
+        self.prompts.extend(more)
+        bs = self.cfg.batch_size
+        self.batches.extend(more[i:i + bs] for i in range(0, len(more), bs))
+        return len(more)
 
     def progress(self, label: str, done: int, total: int) -> None:
         if self._progress is not None:

@@ -49,11 +49,16 @@ class KernelsProbe:
             self.pairs["router_fp32"] = (ref, Variant(spec=with_spec(t, router_dtype="fp32")))
         self.pairs["combined"] = (ref, Variant(spec=family, attention=True, path="decode"))
         self.tallies = {name: Tally() for name in self.pairs}
-        self.batches_needed = len(ctx.batches)
+        self.batches_needed: int | None = None  # every batch, extensions included
 
     def on_batch(self, batch: Batch) -> None:
         for name, (a, b) in self.pairs.items():
             self.ctx.compare(self.tallies[name], a, b, batch)
+
+    @property
+    def headline(self) -> Tally:
+        """The comparison whose interval --ci-target watches."""
+        return self.tallies["combined"]
 
     def finish(self) -> SourceResult:
         seed = self.ctx.cfg.seed

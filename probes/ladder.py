@@ -61,11 +61,16 @@ class LadderProbe:
             "accelerator alone": (l0, target_kernels),
         }
         self.tallies = {k: Tally() for k in self.pairs}
-        self.batches_needed = len(ctx.batches)
+        self.batches_needed: int | None = None  # every batch, extensions included
 
     def on_batch(self, batch: Batch) -> None:
         for name, (a, b) in self.pairs.items():
             self.ctx.compare(self.tallies[name], a, b, batch)
+
+    @property
+    def headline(self) -> Tally:
+        """The comparison whose interval --ci-target watches."""
+        return self.tallies["L2 + accelerator"]
 
     def finish(self) -> SourceResult:
         seed = self.ctx.cfg.seed

@@ -69,7 +69,7 @@ class PrecisionProbe:
         own = with_spec(ctx.spec, attention="reference")
         self.variants["target"] = Variant(spec=own)
         self.tallies = {name: Tally() for name in self.variants}
-        self.batches_needed = len(ctx.batches)
+        self.batches_needed: int | None = None  # every batch, extensions included
         self.grid_batches = math.ceil(ctx.cfg.subset_prompts / ctx.cfg.batch_size)
 
     def on_batch(self, batch: Batch) -> None:
@@ -77,6 +77,11 @@ class PrecisionProbe:
         for name, variant in self.variants.items():
             if name == "target" or batch.index < self.grid_batches:
                 self.ctx.compare(self.tallies[name], self.ctx.reference, variant, batch)
+
+    @property
+    def headline(self) -> Tally:
+        """The comparison whose interval --ci-target watches."""
+        return self.tallies["target"]
 
     def finish(self) -> SourceResult:
         seed = self.ctx.cfg.seed

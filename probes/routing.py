@@ -47,7 +47,7 @@ class RoutingProbe:
         self.positions = 0
         self.completion_any = 0
         self.completion_positions = 0
-        self.batches_needed = len(ctx.batches) if self.applies else 0
+        self.batches_needed: int | None = None if self.applies else 0
 
     def on_batch(self, batch: Batch) -> None:
         ctx = self.ctx
@@ -66,6 +66,10 @@ class RoutingProbe:
         self.completion_positions += int(n_c)
         ctx.compare(self.tallies["no_replay"], ctx.reference, ctx.sampler, batch)
         ctx.compare(self.tallies["replay"], self.replayed, ctx.sampler, batch)
+
+    @property
+    def headline(self) -> Tally:
+        return self.tallies["no_replay"]
 
     def finish(self) -> SourceResult:
         if not self.applies:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,14 +35,21 @@ def run_sources(cfg, progress: Callable[[str, int, int], None] | None = None) ->
     if cfg.ladder:
         batch_probes.append(LadderProbe(ctx))
     total = Tally()
-    n = len(ctx.batches)
-    for i in range(n):
+    i = 0
+    ci = {"target": cfg.ci_target, "met": None, "unmet": []}
+    while i < len(ctx.batches):
         batch = ctx.sample_batch(i)
         ctx.compare(total, ctx.reference, ctx.sampler, batch)
         for probe in batch_probes:
-            if i < probe.batches_needed:
+            if probe.batches_needed is None or i < probe.batches_needed:
                 probe.on_batch(batch)
-        ctx.progress("sampling and scoring", i + 1, n)
+        i += 1
+        ctx.progress("sampling and scoring", i, len(ctx.batches))
+        if i == len(ctx.batches) and cfg.ci_target > 0:
+            ci["unmet"] = _unmet(total, batch_probes, cfg)
+            ci["met"] = not ci["unmet"]
+            if ci["unmet"]:
+                ctx.extend_prompts(8 * cfg.batch_size)  # check again after 8 more batches
     results: dict[str, SourceResult] = {p.name: p.finish() for p in batch_probes}
     for name in cfg.sources:
         if SOURCES[name].kind == "standalone":
@@ -54,8 +62,23 @@ def run_sources(cfg, progress: Callable[[str, int, int], None] | None = None) ->
         "kernel_path": spec.kernel_path, "attention": spec.attention,
         "prompts": len(ctx.prompts), "tokens": total.tokens,
         "total": total.summary(cfg.seed),
+        "ci_target": ci,
         "sources": {name: r.to_json() for name, r in results.items() if name != "ladder"},
     }
     if "ladder" in results:
         summary["ladder"] = results["ladder"].to_json()
     return SourcesRun(summary=summary, results=results, log_ratio_total=total.log_ratio())
+
+
+def _unmet(total: Tally, probes: list, cfg) -> list[str]:
+    """Names of headline comparisons whose interval is still wider than --ci-target."""
+    from .base import NOISE_FLOOR
+
+    out = []
+    for name, tally in [("total", total)] + [(p.name, p.headline) for p in probes
+                                             if p.batches_needed is None]:
+        s = tally.summary(cfg.seed, n_boot=400)
+        rel = s.get("kl_exact_ci_rel", math.inf)
+        if s.get("kl_exact", 0.0) >= NOISE_FLOOR and not rel < cfg.ci_target:
+            out.append(name)
+    return out

@@ -14,8 +14,8 @@ from mismatch.cli import app
 SNAPSHOT = {
     "formats": [],
     "profiles": [],
-    "probe": ["--batch-size", "--dtype", "--fleet-shares", "--gpu", "--json", "--kv-cache",
-              "--ladder", "--max-new-tokens", "--model", "--n-prompts", "--out", "--prompts",
+    "probe": ["--batch-size", "--ci-target", "--dtype", "--fleet-shares", "--gpu", "--json", "--kv-cache",
+              "--ladder", "--max-new-tokens", "--max-prompts", "--model", "--n-prompts", "--out", "--prompts",
               "--seed", "--sources", "--staleness-checkpoints", "--staleness-lr",
               "--staleness-max-lag", "--subset-prompts", "--threads", "--top-p",
               "--trainer-dtype", "--trainer-gpu"],

@@ -305,3 +305,20 @@ def test_tally_of_one_sequence_has_no_interval_but_a_value():
     s = tally.summary()
     assert s["kl_exact"] == pytest.approx(0.01) and s["tokens"] == 3
     assert all(math.isnan(v) for v in s["kl_exact_ci95"]) and s["ci_target_met"] is False
+
+
+def test_ci_target_draws_more_prompts_until_met_or_capped(monkeypatch):
+    """An unreachable target draws held-out prompts up to --max-prompts and says it was not
+    met; once met, nothing more is drawn."""
+    import probes.runner
+    from probes.runner import run_sources
+
+    base = dict(gpu="b200", dtype="bf16", n_prompts=4, batch_size=4, max_new_tokens=6,
+                sources=("kernels",))
+    strict = run_sources(ProbeConfig(**base, ci_target=1e-6, max_prompts=12)).summary
+    assert strict["prompts"] == 12 and strict["ci_target"]["met"] is False
+    assert "total" in strict["ci_target"]["unmet"] and strict["total"]["tokens"] > 0
+    monkeypatch.setattr(probes.runner, "_unmet", lambda *a: [])
+    met = run_sources(ProbeConfig(**base, ci_target=0.2, max_prompts=12)).summary
+    assert met["prompts"] == 4 and met["ci_target"] == {"target": 0.2, "met": True, "unmet": []}
+
