@@ -1,5 +1,10 @@
 """accelerator: the same checkpoint on every GPU that can serve it, and the study's mixed fleet.
 
+Headline: the accelerator alone — the same checkpoint moved from the trainer's GPU
+(`--trainer-gpu`, served as that GPU natively would, decode path, its kernels) to the target GPU
+(its own serving path, accumulation and attention family): one factor changed, on the shared
+tokens.
+
 Per GPU: each GPU's real configuration for the `--dtype` checkpoint (mismatch.profiles.resolve:
 Marlin weight-only where the GPU lacks the tensor cores, native W8A8/W4A4 where it has them, its
 GEMM accumulation and its attention kernel family, decode path), against the trainer, on the
@@ -13,7 +18,7 @@ token stream when a router sends each group its share of requests. The study doe
 shares as numbers, so equal shares are the default; `--fleet-shares` sets them.
 
 These configurations are the most expensive to emulate (each replays the decode path), so they
-run on the first `--subset-prompts` prompts; the headline (the target GPU) runs on all.
+run on the first `--subset-prompts` prompts; the headline runs on all.
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ class AcceleratorProbe:
                                           path="decode") for g, d, _ in self.groups}
         self.tallies = {f"gpu {k}": Tally() for k in self.gpus}
         self.tallies.update({f"fleet {k}": Tally() for k in self.fleet})
+        from .ladder import checkpoint_on_trainer_gpu
+
+        self.home = Variant(spec=checkpoint_on_trainer_gpu(ctx), attention=True, path="decode")
         self.headline = Tally()
         self.batches_needed: int | None = None  # every batch, extensions included
         self.grid_batches = math.ceil(ctx.cfg.subset_prompts / ctx.cfg.batch_size)
@@ -70,7 +78,7 @@ class AcceleratorProbe:
         """The target GPU on every batch; the other GPUs and the fleet on the first
         --subset-prompts."""
         ref = self.ctx.reference
-        self.ctx.compare(self.headline, ref, self.ctx.sampler, batch)
+        self.ctx.compare(self.headline, self.home, self.ctx.sampler, batch)
         if batch.index >= self.grid_batches:
             return
         for k, v in self.gpus.items():
@@ -92,8 +100,11 @@ class AcceleratorProbe:
                              for i in (0, 1)]
         target = self.headline.summary(seed)
         by_gpu = {g: parts[f"gpu {g}"]["kl_exact"] for g in self.gpus}
-        notes = [f"Per GPU: the {self.ctx.spec.dtype} checkpoint as each GPU serves it "
-                 f"(KV {self.ctx.spec.kv_cache}); headline: {self.ctx.spec.gpu}. Fleet: the "
+        notes = [f"Headline: the {self.ctx.spec.dtype} checkpoint served on the trainer's GPU "
+                 f"({self.ctx.cfg.trainer_gpu}: {self.home.spec.kernel_path}) against the same "
+                 f"checkpoint on {self.ctx.spec.gpu} ({self.ctx.spec.kernel_path}). "
+                 f"Per GPU: the checkpoint as each GPU serves it "
+                 f"(KV {self.ctx.spec.kv_cache}) against the trainer. Fleet: the "
                  f"study's eight groups with FP8 KV caches, "
                  + ("equal shares (the study's per-group shares are not published as numbers)."
                     if not self.ctx.cfg.fleet_shares else "shares from --fleet-shares."),

@@ -27,11 +27,22 @@ full-vocabulary KL per token with 95% sequence-bootstrap intervals.
 
 from __future__ import annotations
 
-from mismatch.profiles import ProfileError, resolve
+from mismatch.profiles import NumericsSpec, ProfileError, resolve
 
 from .base import Batch, ProbeContext, SourceResult, Tally, Variant, with_spec
 
 RUNGS = ("L0 kernels", "L1 + precision", "L2 + accelerator")
+
+
+def checkpoint_on_trainer_gpu(ctx: ProbeContext) -> NumericsSpec:
+    """The target checkpoint's formats as the trainer's GPU (`--trainer-gpu`) serves them; where
+    it cannot, the target's own formats with that GPU's attention and FP32 accumulation."""
+    tg = ctx.cfg.trainer_gpu
+    try:
+        return resolve(tg, ctx.spec.dtype, ctx.spec.kv_cache)
+    except ProfileError:
+        return with_spec(ctx.spec, attention=resolve(tg, ctx.trainer.dtype).attention,
+                         accumulation="fp32")
 
 
 class LadderProbe:
@@ -39,13 +50,8 @@ class LadderProbe:
 
     def __init__(self, ctx: ProbeContext) -> None:
         self.ctx = ctx
-        tg = ctx.cfg.trainer_gpu
-        trainer_on_gpu = resolve(tg, ctx.trainer.dtype)
-        try:
-            formats = resolve(tg, ctx.spec.dtype, ctx.spec.kv_cache)
-        except ProfileError:  # the trainer's GPU cannot serve it: keep the target's own formats
-            formats = with_spec(ctx.spec, attention=trainer_on_gpu.attention,
-                                accumulation="fp32")
+        trainer_on_gpu = resolve(ctx.cfg.trainer_gpu, ctx.trainer.dtype)
+        formats = checkpoint_on_trainer_gpu(ctx)
         self.formats = formats
         l0 = Variant(spec=trainer_on_gpu, attention=True, path="decode")
         l1 = Variant(spec=formats, attention=True, path="decode")

@@ -41,7 +41,7 @@ class RoutingProbe:
         self.ctx = ctx
         self.applies = ctx.is_moe
         self.replayed = Variant(spec=ctx.trainer, replay=True)
-        self.tallies = {"no_replay": Tally(), "replay": Tally()}
+        self.tallies = {"no_replay": Tally(), "replay": Tally(), "routing_alone": Tally()}
         self.layer_flips: torch.Tensor | None = None
         self.any_flips = 0
         self.positions = 0
@@ -66,10 +66,12 @@ class RoutingProbe:
         self.completion_positions += int(n_c)
         ctx.compare(self.tallies["no_replay"], ctx.reference, ctx.sampler, batch)
         ctx.compare(self.tallies["replay"], self.replayed, ctx.sampler, batch)
+        # routing alone: the trainer's numerics, its own experts vs the sampler's
+        ctx.compare(self.tallies["routing_alone"], ctx.reference, self.replayed, batch)
 
     @property
     def headline(self) -> Tally:
-        return self.tallies["no_replay"]
+        return self.tallies["routing_alone"]
 
     def finish(self) -> SourceResult:
         if not self.applies:
@@ -78,10 +80,11 @@ class RoutingProbe:
         seed = self.ctx.cfg.seed
         without = self.tallies["no_replay"].summary(seed)
         with_replay = self.tallies["replay"].summary(seed)
+        alone = self.tallies["routing_alone"].summary(seed)
         assert self.layer_flips is not None
         per_layer = (self.layer_flips.double() / max(self.positions, 1)).tolist()
         share = without["kl_exact"] - with_replay["kl_exact"]
-        headline = dict(without)
+        headline = dict(alone)
         extra = {
             "flip_rate_by_layer": per_layer,
             "flip_rate_mean": sum(per_layer) / len(per_layer),
@@ -100,7 +103,10 @@ class RoutingProbe:
         notes = [f"Sampler: {self.ctx.spec.label} (decode path); trainer: teacher-forced "
                  f"{self.ctx.trainer.dtype.upper()}. Flips are counted over all "
                  f"{self.positions} routed positions (prompt and completion); the KL over the "
-                 f"completion tokens. Routing's share = KL without replay − KL with replay."]
+                 f"completion tokens. Routing's share = KL without replay − KL with replay. "
+                 f"Headline (`routing_alone`): the trainer's numerics with its own experts "
+                 f"against the same numerics forced to the sampler's experts — routing alone."]
         return SourceResult(name=self.name, headline=headline,
-                            parts={"no_replay": without, "replay": with_replay}, extra=extra,
-                            notes=notes, log_ratio=self.tallies["no_replay"].log_ratio())
+                            parts={"no_replay": without, "replay": with_replay,
+                                   "routing_alone": alone}, extra=extra,
+                            notes=notes, log_ratio=self.tallies["routing_alone"].log_ratio())
