@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["write_probe_outputs", "format_table", "markdown_report"]
+__all__ = ["atomic_directory", "format_table", "markdown_report", "write_probe_outputs"]
 
 _ROWS = (("kl_k3", "KL k3", "{:.3e}"), ("kl_k1", "KL k1", "{:+.3e}"),
          ("abs_logprob_diff_mean", "|Δlogp| mean", "{:.3e}"),
@@ -98,21 +99,18 @@ def _plots(tmp: Path, log_ratio: torch.Tensor, per_position: dict[str, list[floa
     plt.close(fig)
 
 
-def write_probe_outputs(out: Path, result, command: str, *, force: bool = True) -> Path:
-    """Write results.json, report.md and two PNG plots into `out`, via a temporary sibling."""
+@contextlib.contextmanager
+def atomic_directory(out: Path, *, force: bool = True):
+    """Yield a fresh temporary sibling of `out` to fill; when the block succeeds it replaces
+    `out` (which must not exist unless `force`), when it fails it is removed: a reader never
+    sees a half-written `out`."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        summary = dict(result.summary, command=command)
-        (tmp / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
-        (tmp / "report.md").write_text(markdown_report(summary, command))
-        label = "EMULATED" if summary["mode"] == "emulated" else "MEASURED"
-        _plots(tmp, result.log_ratio_total, result.per_position,
-               f"{summary['gpu']} {summary['dtype']} vs {summary['trainer_dtype']} trainer "
-               f"({label})")
+        yield tmp
         if out.exists():
             if not force:
                 raise FileExistsError(f"{out} exists")
@@ -121,4 +119,16 @@ def write_probe_outputs(out: Path, result, command: str, *, force: bool = True) 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+
+
+def write_probe_outputs(out: Path, result, command: str, *, force: bool = True) -> Path:
+    """Write results.json, report.md and two PNG plots into `out`, via a temporary sibling."""
+    with atomic_directory(out, force=force) as tmp:
+        summary = dict(result.summary, command=command)
+        (tmp / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (tmp / "report.md").write_text(markdown_report(summary, command))
+        label = "EMULATED" if summary["mode"] == "emulated" else "MEASURED"
+        _plots(tmp, result.log_ratio_total, result.per_position,
+               f"{summary['gpu']} {summary['dtype']} vs {summary['trainer_dtype']} trainer "
+               f"({label})")
+    return Path(out)

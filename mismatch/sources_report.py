@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 __all__ = ["fleet_markdown", "fleet_plot", "format_sources_table", "literature_checks",
@@ -328,23 +326,14 @@ def _plots(tmp: Path, run) -> list[str]:
 
 def write_sources_outputs(out: Path, run, command: str) -> Path:
     """results.json, report.md and plots into `out`, via a temporary sibling."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    from mismatch.report import atomic_directory
+
+    with atomic_directory(out) as tmp:
         summary = dict(run.summary, command=command)
         (tmp / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
         plots = _plots(tmp, run)
         (tmp / "report.md").write_text(sources_markdown(summary, command, plots))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)
 
 
 def fleet_markdown(summary: dict, command: str, plot: str | None = None) -> str:
