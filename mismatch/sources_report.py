@@ -73,8 +73,8 @@ def literature_checks(summary: dict) -> list[dict]:
     k, p = src.get("kernels", {}), src.get("precision", {})
     if _kl(k) is not None:
         add("kernels", "KL ~1e-3 at the same precision (large models, long contexts)",
-            f"{k['kl_exact']:.2e}", 1e-6 <= k["kl_exact"] <= 1e-2,
-            "outside 1e-6..1e-2: a 2M-parameter model with 4 layers and ~150-token contexts "
+            f"{k['kl_exact']:.2e}", 1e-4 <= k["kl_exact"] <= 1e-2,
+            "more than 10× off: a 2M-parameter model with 4 layers and ~150-token contexts "
             "accumulates far less reduction-order error than a 235B model over 32k tokens")
     if _kl(k) is not None and _kl(p) is not None and summary["dtype"] not in ("bf16",):
         add("kernels vs precision", "a low-precision format costs more than the kernels",
@@ -93,18 +93,21 @@ def literature_checks(summary: dict) -> list[dict]:
     r = src.get("routing", {})
     if r.get("flip_rate_by_layer"):
         add("routing", "~10% of router decisions differ per layer",
-            f"{r['flip_rate_mean']:.1%}", 0.01 <= r["flip_rate_mean"] <= 0.3,
-            "the embedded model's routers are more (or less) decisive than a large MoE's")
+            f"{r['flip_rate_mean']:.1%}", 1 / 30 <= r["flip_rate_mean"] <= 0.3,
+            "more than 3× off: the embedded model has 8 experts with top-2 routing and ~150-token "
+            "contexts; its routers' margins are wider than a 128-expert model's after 32k tokens")
         n_layers = len(r["flip_rate_by_layer"])
         add("routing", "94% of tokens flip in ≥1 of 48 layers; with p per layer, "
             "1 − (1 − p)^L", f"{r['flip_rate_any_layer']:.1%} over {n_layers} layers",
             abs(r["flip_rate_any_layer"] - (1 - (1 - r["flip_rate_mean"]) ** n_layers)) < 0.1
             or r["flip_rate_any_layer"] > 0.9,
             "flips in different layers are correlated on this model")
+        share = r.get("routing_kl_share_fraction", 0.0)
         add("routing", "routing replay removes about half the KL (1.5e-3 → 7.5e-4)",
-            f"{r['kl_exact_no_replay']:.2e} → {r['kl_exact_replay']:.2e}",
-            r["kl_exact_replay"] < r["kl_exact_no_replay"],
-            "replay did not lower the KL on this many tokens")
+            f"{r['kl_exact_no_replay']:.2e} → {r['kl_exact_replay']:.2e} ({share:.0%} removed)",
+            0.25 <= share <= 0.75,
+            "replay removes a different share here: routing flips are rarer on this model "
+            "(see the flip rate), so less of the mismatch runs through them")
     st = src.get("staleness", {})
     by_lag = st.get("kl_exact_by_lag") or {}
     if by_lag:
@@ -362,8 +365,10 @@ def fleet_markdown(summary: dict, command: str, plot: str | None = None) -> str:
     w = acc["fleet_weighted"]
     out += [f"| **fleet (capacity-weighted)** | | | 1.000 | | **{w['kl_exact']:.3e}** | "
             f"{_ci(w)} | {w['kl_k3']:.3e} | {w['mis_masked_fraction']:.3%} |", ""]
-    out += [f"- {n}" for n in acc.get("notes", [])]
-    out += ["- The fleet interval is the share-weighted sum of the groups' bounds "
+    out += ["- Shares: " + ("equal (the study's per-group shares are not published as numbers; "
+                            "set them with --fleet-shares)." if len(set(shares.values())) == 1
+                            else "from --fleet-shares."),
+            "- The fleet interval is the share-weighted sum of the groups' bounds "
             "(conservative: the groups share prompts, so their errors are correlated).",
             "- Groups that emulate identically (H100/H200, B200/B300: same architecture and "
             "kernels) show identical figures; on this model's short contexts A100's and H100's "
