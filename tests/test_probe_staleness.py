@@ -128,39 +128,39 @@ def test_max_lag_keeps_the_last_checkpoints(tiny, tmp_path):
     assert res.extra["steps"] == 1 and _kl(res) == {0: 0.0, 1: 0.0}  # "a" is 2 behind: unused
 
 
-def _one_line_error(ctx: ProbeContext, needle: str) -> None:
+def _check_one_line_error(ctx: ProbeContext, needle: str) -> None:
     with pytest.raises(ProbeError) as err:
         staleness.run(ctx)
     assert "\n" not in str(err.value) and needle in str(err.value), str(err.value)
 
 
 def test_bad_checkpoint_directories(tiny, tmp_path):
-    _one_line_error(_tiny_context(tiny, tmp_path / "missing"), "is not a directory")
+    _check_one_line_error(_tiny_context(tiny, tmp_path / "missing"), "is not a directory")
     (tmp_path / "file").write_text("x")
-    _one_line_error(_tiny_context(tiny, tmp_path / "file"), "is not a directory")
+    _check_one_line_error(_tiny_context(tiny, tmp_path / "file"), "is not a directory")
     one = tmp_path / "one"
     shutil.copytree(tiny[0], one / "only")
-    _one_line_error(_tiny_context(tiny, one), "need at least 2")
+    _check_one_line_error(_tiny_context(tiny, one), "need at least 2")
     (tmp_path / "empty").mkdir()
-    _one_line_error(_tiny_context(tiny, tmp_path / "empty"), "holds 0 checkpoint")
+    _check_one_line_error(_tiny_context(tiny, tmp_path / "empty"), "holds 0 checkpoint")
 
     no_weights = tmp_path / "no_weights"
     shutil.copytree(tiny[0], no_weights / "1")
     (no_weights / "2").mkdir()
     shutil.copy(tiny[0] / "config.json", no_weights / "2")
-    _one_line_error(_tiny_context(tiny, no_weights), "checkpoint 2 is not loadable")
+    _check_one_line_error(_tiny_context(tiny, no_weights), "checkpoint 2 is not loadable")
 
     corrupt = tmp_path / "corrupt"
     shutil.copytree(tiny[0], corrupt / "1")
     shutil.copytree(tiny[0], corrupt / "2")
     (corrupt / "2" / "model.safetensors").write_bytes(b"not a safetensors file")
-    _one_line_error(_tiny_context(tiny, corrupt), "checkpoint 2 is not loadable")
+    _check_one_line_error(_tiny_context(tiny, corrupt), "checkpoint 2 is not loadable")
 
     mixed = tmp_path / "mixed"
     build_tiny_model(mixed / "1", kind="dense")
     shutil.copytree(tiny[0], mixed / "2")
-    _one_line_error(_tiny_context(tiny, mixed), "architecture")
+    _check_one_line_error(_tiny_context(tiny, mixed), "architecture")
 
 
 def test_generated_steps_need_a_chat_template(tiny):
-    _one_line_error(_tiny_context(tiny, None), "need a tokenizer with a chat template")
+    _check_one_line_error(_tiny_context(tiny, None), "need a tokenizer with a chat template")
