@@ -98,7 +98,8 @@ def ratio_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
 
 def logprob_diff_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                        mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """|Δ log p| mean / p99 / max and |Δ p| max over masked tokens."""
+    """|Δ log p| mean / p99 / max, |Δ p| max, and the token multiplicative error mean e^|Δ log p|
+    (the figure one study deems acceptable at 1.03–1.05, NUMERICS.md §3) over masked tokens."""
     _check(trainer_logprobs, sampler_logprobs, mask)
     sel = mask.bool()
     d = log_ratio(trainer_logprobs, sampler_logprobs).abs()[sel]
@@ -106,8 +107,10 @@ def logprob_diff_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
     if d.numel() == 0:
         nan = torch.tensor(float("nan"), dtype=torch.float64)
         return {k: nan for k in ("abs_logprob_diff_mean", "abs_logprob_diff_p99",
-                                 "abs_logprob_diff_max", "abs_prob_diff_max")}
+                                 "abs_logprob_diff_max", "abs_prob_diff_max",
+                                 "token_multiplicative_error")}
     return {"abs_logprob_diff_mean": d.mean(),
+            "token_multiplicative_error": d.clamp(max=_MAX_LOG_RATIO).exp().mean(),
             "abs_logprob_diff_p99": torch.quantile(d, 0.99),
             "abs_logprob_diff_max": d.max(),
             "abs_prob_diff_max": dp.max()}

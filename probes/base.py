@@ -36,7 +36,8 @@ __all__ = ["Variant", "Evaluation", "Batch", "ProbeContext", "Tally", "SourceRes
            "SUMMARY_KEYS", "NOISE_FLOOR", "CI_REL_TARGET"]
 
 SUMMARY_KEYS = ("kl_k3", "kl_k1", "kl_k2", "abs_logprob_diff_mean", "abs_logprob_diff_p99",
-                "abs_logprob_diff_max", "mis_masked_fraction", "ratio_mean", "ess")
+                "abs_logprob_diff_max", "token_multiplicative_error", "mis_masked_fraction",
+                "ratio_mean", "ess")
 NOISE_FLOOR = 1e-7
 """nats/token: exact KL below this is at the resolution of FP32 log-probs on these models; the
 interval target does not apply there."""

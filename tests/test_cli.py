@@ -19,6 +19,9 @@ SNAPSHOT = {
               "--seed", "--sources", "--staleness-checkpoints", "--staleness-lr",
               "--staleness-max-lag", "--subset-prompts", "--threads", "--top-p",
               "--trainer-dtype", "--trainer-gpu"],
+    "qualify": ["--batch-size", "--concurrency", "--dtype", "--engine", "--gpu", "--json",
+                "--kv-cache", "--max-new-tokens", "--model", "--n-prompts", "--out", "--policy",
+                "--sampler", "--seed", "--subset-prompts", "--timeout"],
     "quantize": ["--calib-samples", "--calib-seq-len", "--force", "--format", "--kv-cache",
                  "--model", "--out", "--seed"],
 }

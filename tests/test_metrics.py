@@ -144,3 +144,11 @@ def test_bootstrap_ci_matches_the_normal_interval_on_iid_data():
     lo, hi = bootstrap_ci(sums, counts)
     assert lo < 0.9 < hi and hi - lo < 0.2
     assert bootstrap_ci(torch.zeros(5, dtype=torch.float64), torch.ones(5)) == [0.0, 0.0]
+
+
+def test_token_multiplicative_error_is_mean_exp_abs_diff():
+    t = torch.tensor([[-1.0, -2.0, -0.5]])
+    s = torch.tensor([[-1.1, -1.8, -0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    got = float(logprob_diff_stats(t, s, mask)["token_multiplicative_error"])
+    assert got == pytest.approx((math.exp(0.1) + math.exp(0.2)) / 2, rel=1e-6)

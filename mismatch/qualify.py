@@ -1,0 +1,254 @@
+"""`mismatch qualify`: a PASS/FAIL verdict for a sampler against a mismatch budget.
+
+A policy (TOML, `policies/default.toml` ships with cited defaults) sets limits on figures of the
+whole sampler against the trainer (`kl_k3`, `mis_masked_fraction`, ...), on source-specific
+figures (`"routing.flip_rate_any_layer"`), and on each source's own headline
+(`[sources.precision] kl_k3 = ...`). `qualify` runs the probes those figures need, checks each
+figure against its limit, names the source that dominates the mismatch, and returns the verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["DEFAULT_POLICY", "SOURCE_METRICS", "TOTAL_METRICS", "Check", "Policy",
+           "PolicyError", "dominant_source", "evaluate", "load_policy", "markdown",
+           "needed_sources", "qualify_emulated", "verdict", "write_outputs"]
+
+DEFAULT_POLICY = Path(__file__).with_name("policies") / "default.toml"
+
+TOTAL_METRICS = {
+    "kl_k3": "KL(sampler ‖ trainer), k3 estimator, nats/token",
+    "kl_exact": "KL(sampler ‖ trainer) over the full vocabulary, nats/token (emulated only)",
+    "kl_k1": "KL, k1 estimator, nats/token",
+    "mis_masked_fraction": "share of tokens whose π/μ leaves the MIS range [0.5, 5]",
+    "token_multiplicative_error": "mean e^|Δ log p| per token",
+    "abs_logprob_diff_mean": "mean |Δ log p|",
+    "abs_logprob_diff_p99": "99th percentile of |Δ log p|",
+    "abs_logprob_diff_max": "largest |Δ log p|",
+}
+SOURCE_METRICS = {
+    "routing.flip_rate_mean": "share of router decisions (per layer, mean) whose top-k set flips",
+    "routing.flip_rate_any_layer": "share of positions with a flip in at least one MoE layer",
+    "routing.routing_kl_share_fraction": "share of the KL that routing replay removes",
+    "retokenization.changed_sequence_fraction": "share of sampled sequences a decode→re-encode "
+                                                "round trip changes",
+    "retokenization.changed_episode_fraction": "share of multi-turn episodes whose re-rendered "
+                                               "context differs from token-in-token-out",
+    "sampling.sampler_mass_outside": "sampler probability mass outside its top-p set",
+    "sampling.outside_trainer_top_p_fraction": "share of sampled tokens outside the trainer's "
+                                                "own top-p set",
+    "sampling.processed_minus_raw_mean": "processed minus raw log-prob per token (nats)",
+}
+ATTRIBUTION = ("kernels", "precision", "accelerator", "routing")
+"""Sources whose headline KL says which one dominates a whole-sampler figure."""
+
+
+class PolicyError(ValueError):
+    """A policy file that cannot be read or names an unknown figure."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    path: Path
+    budgets: dict[str, float]
+    sources: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class Check:
+    metric: str
+    value: float | None
+    budget: float
+    passed: bool | None
+    """None: the figure could not be measured in this mode (does not decide the verdict)."""
+    source: str
+    """The source the figure belongs to, or the one that dominates a whole-sampler figure."""
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return {"metric": self.metric, "value": self.value, "budget": self.budget,
+                "passed": self.passed, "source": self.source, "note": self.note}
+
+
+def _toml(path: Path) -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - the project's machines run 3.11
+        import tomli as tomllib
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"policy {path} is not valid TOML ({exc}); fix the file or omit "
+                          f"--policy for the default") from None
+
+
+def _limit(path: Path, where: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0:
+        raise PolicyError(f"policy {path}: {where} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def load_policy(path: Path | None = None) -> Policy:
+    """Read and validate a policy (None: the shipped default)."""
+    path = Path(path) if path is not None else DEFAULT_POLICY
+    if not path.is_file():
+        raise PolicyError(f"policy file {path} does not exist; pass a TOML file to --policy or "
+                          f"omit it for the default ({DEFAULT_POLICY.name})")
+    data = _toml(path)
+    unknown = sorted(set(data) - {"budgets", "sources"})
+    if unknown:
+        raise PolicyError(f"policy {path}: unknown table [{unknown[0]}]; use [budgets] and "
+                          f"[sources.<name>]")
+    budgets = {}
+    for key, value in (data.get("budgets") or {}).items():
+        if key not in TOTAL_METRICS and key not in SOURCE_METRICS:
+            raise PolicyError(f"policy {path}: unknown figure {key!r} in [budgets]; known: "
+                              f"{', '.join(list(TOTAL_METRICS) + list(SOURCE_METRICS))}")
+        budgets[key] = _limit(path, key, value)
+    from probes import SOURCES
+
+    sources: dict[str, dict[str, float]] = {}
+    for name, table in (data.get("sources") or {}).items():
+        if name not in SOURCES:
+            raise PolicyError(f"policy {path}: unknown source [sources.{name}]; sources: "
+                              f"{', '.join(SOURCES)}")
+        if not isinstance(table, dict):
+            raise PolicyError(f"policy {path}: [sources.{name}] must be a table of limits")
+        for key, value in table.items():
+            if key not in TOTAL_METRICS:
+                raise PolicyError(f"policy {path}: unknown figure {key!r} in [sources.{name}]; "
+                                  f"known: {', '.join(TOTAL_METRICS)}")
+        sources[name] = {k: _limit(path, f"sources.{name}.{k}", v) for k, v in table.items()}
+    if not budgets and not sources:
+        raise PolicyError(f"policy {path} sets no limits; add a [budgets] table")
+    return Policy(path=path, budgets=budgets, sources=sources)
+
+
+def needed_sources(policy: Policy) -> tuple[str, ...]:
+    """The source probes the policy's figures need, plus the attribution sources, in registry
+    order."""
+    from probes import SOURCES
+
+    want = set(ATTRIBUTION) | set(policy.sources)
+    want |= {key.split(".", 1)[0] for key in policy.budgets if "." in key}
+    return tuple(n for n in SOURCES if n in want)
+
+
+def dominant_source(summary: dict) -> str:
+    """The attribution source whose own headline KL is largest ("–" when none was measured)."""
+    best, name = -1.0, "–"
+    for source in ATTRIBUTION:
+        s = summary.get("sources", {}).get(source, {})
+        value = s.get("kl_exact", s.get("kl_k3"))
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > best:
+            best, name = value, source
+    return name
+
+
+def _value(block: dict, key: str) -> float | None:
+    v = block.get(key) if isinstance(block, dict) else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and \
+        math.isfinite(v) else None
+
+
+def evaluate(policy: Policy, summary: dict) -> list[Check]:
+    """Every limit of the policy checked against a probe summary."""
+    top = dominant_source(summary)
+    checks = []
+    for key, budget in policy.budgets.items():
+        if "." in key:
+            source, figure = key.split(".", 1)
+            block = summary.get("sources", {}).get(source, {})
+            value = _value(block, figure)
+            note = "" if value is not None else (
+                "does not apply (dense model)" if block.get("applies") is False else
+                "not measured in this mode")
+        else:
+            source, value = top, _value(summary.get("total", {}), key)
+            note = "" if value is not None else "not measured in this mode"
+        checks.append(Check(metric=key, value=value, budget=budget,
+                            passed=None if value is None else value <= budget,
+                            source=source, note=note))
+    for source, limits in policy.sources.items():
+        block = summary.get("sources", {}).get(source, {})
+        for key, budget in limits.items():
+            value = _value(block, key)
+            checks.append(Check(metric=f"{source}: {key}", value=value, budget=budget,
+                                passed=None if value is None else value <= budget,
+                                source=source,
+                                note="" if value is not None else "not measured in this mode"))
+    return checks
+
+
+def verdict(checks: list[Check]) -> str:
+    """"fail" if any measured check failed, else "pass"."""
+    return "fail" if any(c.passed is False for c in checks) else "pass"
+
+
+def markdown(result: dict, command: str) -> str:
+    """The qualification report."""
+    v = result["verdict"].upper()
+    s = result["summary"]
+    label = result["mode"].upper()
+    out = [f"# Qualify: {result['sampler']} — {v} ({label})", "",
+           f"Command: `{command}`", "",
+           f"- policy: `{result['policy']}`",
+           f"- mode: **{result['mode']}** — " + (
+               "a live inference server sampled; the trainer side re-scored locally"
+               if result["mode"] == "measured" else
+               "the sampler's formats and kernels emulated on this machine's CPU"),
+           f"- model: {s.get('model')}; prompts: {s.get('prompts')}; completion tokens: "
+           f"{s.get('tokens')}",
+           f"- dominant source: **{result['dominant_source']}**", ""]
+    if result.get("throughput"):
+        t = result["throughput"]
+        out.insert(-1, f"- server throughput: {t['tokens_per_s']:.1f} completion tokens/s over "
+                       f"{t['requests']} requests ({t['retries']} retries)")
+    out += ["| check | value | budget | result | source | note |", "|---|---:|---:|:-:|---|---|"]
+    for c in result["checks"]:
+        value = "–" if c["value"] is None else f"{c['value']:.4g}"
+        res = {True: "pass", False: "**FAIL**", None: "n/a"}[c["passed"]]
+        out.append(f"| {c['metric']} | {value} | {c['budget']:.4g} | {res} | {c['source']} | "
+                   f"{c['note']} |")
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(out: Path, result: dict, command: str) -> Path:
+    """verdict.json (the verdict and checks), results.json (the probe summary) and report.md,
+    written together or not at all."""
+    import json
+
+    from .report import atomic_directory
+
+    with atomic_directory(out) as tmp:
+        verdict_json = {k: v for k, v in result.items() if k != "summary"}
+        (tmp / "verdict.json").write_text(json.dumps(verdict_json, indent=2) + "\n")
+        (tmp / "results.json").write_text(json.dumps(result["summary"], indent=2) + "\n")
+        (tmp / "report.md").write_text(markdown(result, command))
+    return Path(out)
+
+
+def qualify_emulated(cfg, policy: Policy, progress=None) -> dict:
+    """Run the probes `policy` needs for an emulated sampler; the verdict and its evidence."""
+    from dataclasses import replace
+
+    from probes.runner import run_sources
+
+    run = run_sources(replace(cfg, sources=needed_sources(policy)), progress)
+    return _result(policy, run.summary, mode="emulated",
+                   sampler=f"{cfg.gpu} {cfg.dtype}" + (f", kv {cfg.kv_cache}"
+                                                       if cfg.kv_cache else ""))
+
+
+def _result(policy: Policy, summary: dict, *, mode: str, sampler: str,
+            throughput: dict | None = None) -> dict:
+    checks = evaluate(policy, summary)
+    return {"verdict": verdict(checks), "mode": mode, "sampler": sampler,
+            "policy": str(policy.path), "dominant_source": dominant_source(summary),
+            "checks": [c.to_json() for c in checks], "throughput": throughput,
+            "summary": summary}

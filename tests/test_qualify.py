@@ -1,0 +1,113 @@
+"""`mismatch qualify` on emulated samplers: policies, verdicts, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mismatch.cli import app
+from mismatch.qualify import (DEFAULT_POLICY, Policy, PolicyError, dominant_source, evaluate,
+                              load_policy, needed_sources, verdict)
+
+runner = CliRunner()
+SMALL = ["--n-prompts", "8", "--subset-prompts", "8", "--max-new-tokens", "8",
+         "--batch-size", "8"]
+
+
+def _policy(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "policy.toml"
+    p.write_text(text)
+    return p
+
+
+def test_default_policy_loads_and_cites_its_sources():
+    policy = load_policy()
+    assert policy.path == DEFAULT_POLICY
+    assert {"kl_k3", "mis_masked_fraction", "abs_logprob_diff_p99", "routing.flip_rate_any_layer",
+            "retokenization.changed_sequence_fraction",
+            "sampling.sampler_mass_outside"} <= set(policy.budgets)
+    text = DEFAULT_POLICY.read_text()
+    assert text.count("§") >= 4  # every default says where it comes from
+    assert needed_sources(policy) == ("kernels", "precision", "accelerator", "routing",
+                                      "retokenization", "sampling")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[budgets]\nkl_k3 = \n", "not valid TOML"),
+    ("[budgets]\nvibes = 1\n", "unknown figure 'vibes'"),
+    ("[budgets]\nkl_k3 = -1\n", "finite number >= 0"),
+    ("[budgets]\nkl_k3 = \"low\"\n", "finite number >= 0"),
+    ("[sources.moonphase]\nkl_k3 = 1\n", "unknown source"),
+    ("[limits]\nkl_k3 = 1\n", "unknown table [limits]"),
+    ("# nothing\n", "sets no limits"),
+])
+def test_bad_policies_are_one_line_errors(tmp_path, text, needle):
+    with pytest.raises(PolicyError) as err:
+        load_policy(_policy(tmp_path, text))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_evaluate_checks_limits_sources_and_unmeasured_figures():
+    policy = Policy(path=Path("p.toml"), budgets={"kl_k3": 1e-3, "routing.flip_rate_mean": 0.1,
+                                                  "sampling.sampler_mass_outside": 0.03},
+                    sources={"precision": {"kl_k3": 1e-4}})
+    summary = {"total": {"kl_k3": 2e-3},
+               "sources": {"kernels": {"kl_exact": 1e-5}, "precision": {"kl_exact": 5e-4,
+                                                                        "kl_k3": 4e-4},
+                           "routing": {"applies": False}}}
+    checks = {c.metric: c for c in evaluate(policy, summary)}
+    assert checks["kl_k3"].passed is False and checks["kl_k3"].source == "precision"
+    assert checks["routing.flip_rate_mean"].passed is None
+    assert "dense" in checks["routing.flip_rate_mean"].note
+    assert checks["sampling.sampler_mass_outside"].passed is None
+    assert checks["precision: kl_k3"].passed is False
+    assert verdict(list(checks.values())) == "fail"
+    assert dominant_source(summary) == "precision"
+    loose = Policy(path=Path("p.toml"), budgets={"kl_k3": 1.0})
+    assert verdict(evaluate(loose, summary)) == "pass"
+
+
+def _qualify(*args: str):
+    return runner.invoke(app, ["qualify", *args])
+
+
+def test_strict_policy_fails_nvfp4_and_loose_passes(tmp_path):
+    strict = _policy(tmp_path, "[budgets]\nkl_k3 = 1e-5\nmis_masked_fraction = 0.5\n")
+    out = tmp_path / "strict"
+    res = _qualify("--gpu", "b200", "--dtype", "nvfp4", "--policy", str(strict), "--out",
+                   str(out), "--json", *SMALL)
+    assert res.exit_code == 1, res.output
+    v = json.loads(res.stdout.strip().splitlines()[-1])
+    assert v["verdict"] == "fail" and v["mode"] == "emulated"
+    assert v["dominant_source"] in ("kernels", "precision", "accelerator", "routing")
+    kl = next(c for c in v["checks"] if c["metric"] == "kl_k3")
+    assert kl["passed"] is False and kl["value"] > kl["budget"] == 1e-5
+    assert set(kl) >= {"metric", "value", "budget", "passed"}
+    for name in ("verdict.json", "results.json", "report.md"):
+        assert (out / name).stat().st_size > 0
+    assert "FAIL" in (out / "report.md").read_text()
+    loose = _policy(tmp_path, "[budgets]\nkl_k3 = 10\n[sources.precision]\nkl_k3 = 10\n")
+    res = _qualify("--gpu", "b200", "--dtype", "nvfp4", "--policy", str(loose), "--out",
+                   str(tmp_path / "loose"), *SMALL)
+    assert res.exit_code == 0, res.output
+    assert "PASS" in res.stdout and "precision: kl_k3" in res.stdout
+
+
+def _check_one_line_error(res, needle: str) -> None:
+    assert res.exit_code == 2, res.output
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mismatch: error:") and needle in err[0], err
+
+
+def test_bad_input_exits_2_and_leaves_nothing(tmp_path):
+    out = tmp_path / "q"
+    _check_one_line_error(_qualify("--gpu", "a100", "--dtype", "nvfp4", "--out", str(out)),
+                          "a100 cannot run nvfp4")
+    _check_one_line_error(_qualify("--dtype", "fp8", "--out", str(out)), "--gpu and --dtype")
+    _check_one_line_error(_qualify("--gpu", "h100", "--dtype", "fp8", "--policy",
+                                   str(tmp_path / "none.toml"), "--out", str(out)),
+                          "does not exist")
+    assert not out.exists() and not list(tmp_path.glob(".q.tmp-*"))
