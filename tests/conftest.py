@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import select
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -12,6 +15,7 @@ from quantize.checkpoint import CHECKPOINT_FORMATS
 from quantize.codecs import encode
 
 TinyModelFactory = Callable[..., Path]
+FAULT_SERVER = Path(__file__).with_name("fault_server.py")
 _QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 
@@ -112,3 +116,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """serve(mode, *args) → base URL of a fresh fault server; all are killed afterwards."""
+    procs = []
+
+    def start(mode: str, *args: str) -> str:
+        log = tmp_path / f"server-{len(procs)}.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, str(FAULT_SERVER), "--mode", mode, "--port", "0",
+                                     *args], stdout=subprocess.PIPE, stderr=err, text=True)
+        procs.append(proc)
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        line = proc.stdout.readline() if ready else ""
+        if not line.startswith("READY "):
+            pytest.fail(f"fault server {mode} did not start: {log.read_text()[-500:]}")
+        return f"http://127.0.0.1:{int(line.split()[1])}"
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()

@@ -1,0 +1,99 @@
+"""`mismatch qualify --sampler URL --engine vllm|sglang`: qualify a live inference server.
+
+The server samples (token ids in, sampled ids, their log-probs and top-k candidates out, over
+HTTP); the trainer side re-scores the same tokens locally from `--model` (BF16 teacher-forced
+forward, reference kernels) and the policy's checks run on the result. Every run starts with the
+canary (canary.py): tokenizer agreement and one log-prob per generated token, before any minutes
+are spent. Measurable against a live server: every whole-sampler figure except the exact KL
+(the server reports top-k candidates, not its full distribution) and the decode→re-encode round
+trip of its samples; routing flips and the emulated sources are not (they are `n/a`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..probe import ProbeError, _completion_slice, _eos_ids, load_prompts
+from ..qualify import Policy, _result
+from .canary import run_canary
+from .clients import SglangClient, VllmClient
+
+__all__ = ["ENGINES", "qualify_remote"]
+
+ENGINES = {"vllm": VllmClient, "sglang": SglangClient}
+_REQUESTS_PER_ROUND = 64  # prompts sent per generate() call: progress, and bounded memory
+
+
+def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: Policy,
+                   n_prompts: int = 256, max_new_tokens: int = 48, seed: int = 0,
+                   concurrency: int = 8, timeout: float = 60.0, gpu: str | None = None,
+                   dtype: str | None = None,
+                   progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Sample from the server at `url`, re-score locally, check `policy`; the verdict dict."""
+    from probes.base import Tally
+    from probes.retokenization import round_trip
+
+    from ..engines.numerics import apply_numerics
+    from ..engines.scorer import score
+    from ..profiles import trainer_spec
+    from ..zoo import load_model, load_tokenizer
+
+    if engine is None or engine.lower() not in ENGINES:
+        raise ProbeError(f"--engine must be one of {', '.join(ENGINES)} with --sampler, got "
+                         f"{engine!r}")
+    if n_prompts < 1 or max_new_tokens < 1:
+        raise ProbeError("--n-prompts and --max-new-tokens must be >= 1")
+    tokenizer = load_tokenizer(model)
+    trainer_model = load_model(model, dtype=torch.bfloat16)
+    if sum(p.numel() for p in trainer_model.parameters()) < 50_000_000:
+        torch.set_num_threads(1)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = _eos_ids(tokenizer, trainer_model)
+    client = ENGINES[engine.lower()](url, timeout=timeout, max_concurrency=concurrency,
+                                     pad_id=pad_id, eos_ids=eos)
+    canary = run_canary(client, tokenizer)
+    prompts = load_prompts(tokenizer, None, n_prompts)
+    trainer = trainer_spec("bf16")
+    tally = Tally()
+    changed = sequences = 0
+    for r0 in range(0, len(prompts), _REQUESTS_PER_ROUND):
+        batch = prompts[r0:r0 + _REQUESTS_PER_ROUND]
+        rollout = client.generate(batch, max_new_tokens=max_new_tokens, temperature=1.0,
+                                  top_p=1.0, top_k=0, seed=seed + r0, candidates=8)
+        with apply_numerics(trainer_model, trainer, kernels=False):
+            scores = score(trainer_model, rollout, with_routing=False)
+        mask = _completion_slice(rollout.completion_mask, rollout, max_new_tokens)
+        tally.add(_completion_slice(scores.logprobs, rollout, max_new_tokens),
+                  _completion_slice(rollout.sampler_logprobs, rollout, max_new_tokens), mask)
+        completion = _completion_slice(rollout.token_ids, rollout, max_new_tokens)
+        for row, m in zip(completion.tolist(), mask.bool().tolist()):
+            ids = [t for t, keep in zip(row, m) if keep]
+            if ids:
+                sequences += 1
+                changed += int(round_trip(tokenizer, ids).changed)
+        if progress:
+            progress("sampling on the server and re-scoring", min(r0 + len(batch), len(prompts)),
+                     len(prompts))
+    total = tally.summary(seed)
+    if not math.isfinite(total["kl_k3"]):
+        raise ProbeError("the server's log-probs gave a non-finite KL; check that it reports "
+                         "log-probs of the sampled tokens (not logits)")
+    mode, source = client.logprob_mode(1.0)
+    summary = {
+        "mode": "measured", "sampler": client.label, "engine": engine.lower(),
+        "gpu": gpu, "dtype": dtype, "model": str(model) if model else "embedded",
+        "trainer_dtype": "bf16", "prompts": len(prompts), "tokens": tally.tokens,
+        "logprob_mode": mode, "logprob_mode_source": source, "canary": canary,
+        "total": total,
+        "sources": {"retokenization": {
+            "changed_sequence_fraction": changed / max(sequences, 1), "sequences": sequences,
+            "applies": True,
+            "notes": ["Decode→re-encode of the server's sampled ids with --model's tokenizer."]}},
+    }
+    label = client.label + (f" ({gpu} {dtype})" if gpu and dtype else "")
+    return _result(policy, summary, mode="measured", sampler=label,
+                   throughput=client.throughput)
