@@ -249,6 +249,8 @@ def _result(policy: Policy, summary: dict, *, mode: str, sampler: str,
             throughput: dict | None = None) -> dict:
     checks = evaluate(policy, summary)
     return {"verdict": verdict(checks), "mode": mode, "sampler": sampler,
-            "policy": str(policy.path), "dominant_source": dominant_source(summary),
+            "policy": ("default (mismatch/policies/default.toml)" if policy.path == DEFAULT_POLICY
+                       else str(policy.path)),
+            "dominant_source": dominant_source(summary),
             "checks": [c.to_json() for c in checks], "throughput": throughput,
             "summary": summary}
