@@ -204,7 +204,10 @@ def markdown(result: dict, command: str) -> str:
                "the sampler's formats and kernels emulated on this machine's CPU"),
            f"- model: {s.get('model')}; prompts: {s.get('prompts')}; completion tokens: "
            f"{s.get('tokens')}",
-           f"- dominant source: **{result['dominant_source']}**", ""]
+           f"- dominant source: **{result['dominant_source']}**" + (
+               " (a live server gives no per-source attribution: qualify the same GPU × "
+               "precision emulated, `--gpu G --dtype D`, to see which source dominates)"
+               if result["dominant_source"] == "–" else ""), ""]
     if result.get("throughput"):
         t = result["throughput"]
         out.insert(-1, f"- server throughput: {t['tokens_per_s']:.1f} completion tokens/s over "
