@@ -182,7 +182,6 @@ def probe_command(
                                     "--ci-target may draw."),
 ) -> None:
     """Measure sampler-trainer log-prob divergence for a GPU x precision, by source."""
-    import json as _json
 
     quiet_libraries()
 
@@ -220,15 +219,23 @@ def probe_command(
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     write_probe_outputs(target, result, command)
-    s = result.summary
+    _print_probe(result.summary, as_json, f"trainer — {result.summary['mode'].upper()}",
+                 format_table, f"{target}/results.json, report.md, log_ratio_hist.png, "
+                 f"per_position.png")
+
+
+def _print_probe(s: dict, as_json: bool, who: str, table, wrote: str) -> None:
+    """A probe summary: one JSON object, or a header, the table and what was written."""
+    import json as _json
+
     if as_json:
         typer.echo(_json.dumps(s))
         return
-    typer.echo(f"{s['gpu']} {s['dtype']} sampler vs {s['trainer_dtype']} trainer — "
-               f"{s['mode'].upper()} ({s['kernel_path']}; attention {s['attention']})")
+    typer.echo(f"{s['gpu']} {s['dtype']} sampler vs {s['trainer_dtype']} {who} "
+               f"({s['kernel_path']}; attention {s['attention']})")
     typer.echo(f"{s['tokens']} completion tokens from {s['prompts']} prompts, model {s['model']}")
-    typer.echo(format_table(s))
-    typer.echo(f"wrote {target}/results.json, report.md, log_ratio_hist.png, per_position.png")
+    typer.echo(table(s))
+    typer.echo(f"wrote {wrote}")
 
 
 @app.command("qualify")
@@ -352,7 +359,6 @@ def _parse_shares(text: str | None) -> tuple[tuple[str, float], ...]:
 
 def _probe_sources(cfg, target: Path, command: str, as_json: bool) -> None:
     """`mismatch probe --sources ... [--ladder]`: run, write, print."""
-    import json as _json
 
     from mismatch.sources_report import format_sources_table, write_sources_outputs
     from probes.runner import run_sources
@@ -362,15 +368,8 @@ def _probe_sources(cfg, target: Path, command: str, as_json: bool) -> None:
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     write_sources_outputs(target, run, command)
-    s = run.summary
-    if as_json:
-        typer.echo(_json.dumps(s))
-        return
-    typer.echo(f"{s['gpu']} {s['dtype']} sampler vs {s['trainer_dtype']} trainer on "
-               f"{s['trainer_gpu']} — EMULATED ({s['kernel_path']}; attention {s['attention']})")
-    typer.echo(f"{s['tokens']} completion tokens from {s['prompts']} prompts, model {s['model']}")
-    typer.echo(format_sources_table(s))
-    typer.echo(f"wrote {target}/results.json, report.md and plots")
+    _print_probe(run.summary, as_json, f"trainer on {run.summary['trainer_gpu']} — EMULATED",
+                 format_sources_table, f"{target}/results.json, report.md and plots")
 
 
 def _with_progress(fn, cfg, *, quiet: bool):

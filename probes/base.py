@@ -32,7 +32,8 @@ from mismatch.records import Rollout
 if TYPE_CHECKING:
     from mismatch.probe import ProbeConfig
 
-__all__ = ["Variant", "Evaluation", "Batch", "ProbeContext", "Tally", "SourceResult",
+__all__ = ["Variant", "Evaluation", "Batch", "ProbeContext", "PairedProbe", "Tally",
+           "SourceResult",
            "SUMMARY_KEYS", "NOISE_FLOOR", "CI_REL_TARGET"]
 
 SUMMARY_KEYS = ("kl_k3", "kl_k1", "kl_k2", "abs_logprob_diff_mean", "abs_logprob_diff_p99",
@@ -365,6 +366,32 @@ class Tally:
                 out["sequences_for_ci_target"] = int(math.ceil(
                     int(keep.sum()) * (out["kl_exact_ci_rel"] / CI_REL_TARGET) ** 2))
         return out
+
+
+class PairedProbe:
+    """A batch probe made of named (reference, other) variant pairs, each tallied on every
+    batch; subclasses set `self.pairs` and `headline_name`, and write `finish()`."""
+
+    name = "paired"
+    headline_name = ""
+
+    def __init__(self, ctx: ProbeContext, pairs: dict[str, tuple[Variant, Variant]]) -> None:
+        self.ctx = ctx
+        self.pairs = pairs
+        self.tallies = {name: Tally() for name in pairs}
+        self.batches_needed: int | None = None  # every batch, extensions included
+
+    def on_batch(self, batch: Batch) -> None:
+        for name, (a, b) in self.pairs.items():
+            self.ctx.compare(self.tallies[name], a, b, batch)
+
+    @property
+    def headline(self) -> Tally:
+        """The comparison whose interval --ci-target watches."""
+        return self.tallies[self.headline_name]
+
+    def summaries(self) -> dict[str, dict]:
+        return {name: t.summary(self.ctx.cfg.seed) for name, t in self.tallies.items()}
 
 
 @dataclass

@@ -26,18 +26,18 @@ batch-invariant kernels. On a 2M-parameter model with short contexts the figures
 
 from __future__ import annotations
 
-from .base import Batch, ProbeContext, SourceResult, Tally, Variant, with_spec
+from .base import PairedProbe, ProbeContext, SourceResult, Variant, with_spec
 
 
-class KernelsProbe:
+class KernelsProbe(PairedProbe):
     name = "kernels"
+    headline_name = "combined"
 
     def __init__(self, ctx: ProbeContext) -> None:
-        self.ctx = ctx
         t = ctx.trainer
         family = with_spec(t, attention=ctx.spec.attention)
         ref = ctx.reference
-        self.pairs: dict[str, tuple[Variant, Variant]] = {
+        pairs: dict[str, tuple[Variant, Variant]] = {
             "batch": (Variant(spec=t, alone=True), ref),
             "decode": (ref, Variant(spec=t, path="decode")),
             "attention": (ref, Variant(spec=family, attention=True)),
@@ -46,23 +46,12 @@ class KernelsProbe:
             "split_k": (ref, Variant(spec=with_spec(t, split_k=4))),
         }
         if ctx.is_moe:
-            self.pairs["router_fp32"] = (ref, Variant(spec=with_spec(t, router_dtype="fp32")))
-        self.pairs["combined"] = (ref, Variant(spec=family, attention=True, path="decode"))
-        self.tallies = {name: Tally() for name in self.pairs}
-        self.batches_needed: int | None = None  # every batch, extensions included
-
-    def on_batch(self, batch: Batch) -> None:
-        for name, (a, b) in self.pairs.items():
-            self.ctx.compare(self.tallies[name], a, b, batch)
-
-    @property
-    def headline(self) -> Tally:
-        """The comparison whose interval --ci-target watches."""
-        return self.tallies["combined"]
+            pairs["router_fp32"] = (ref, Variant(spec=with_spec(t, router_dtype="fp32")))
+        pairs["combined"] = (ref, Variant(spec=family, attention=True, path="decode"))
+        super().__init__(ctx, pairs)
 
     def finish(self) -> SourceResult:
-        seed = self.ctx.cfg.seed
-        parts = {name: t.summary(seed) for name, t in self.tallies.items()}
+        parts = self.summaries()
         combined = parts.pop("combined")
         notes = [f"All at {self.ctx.trainer.dtype.upper()} on both sides; `combined` is the "
                  f"{self.ctx.spec.gpu} sampler's kernels ({self.ctx.spec.attention} attention, "

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from mismatch.profiles import NumericsSpec, ProfileError, resolve
 
-from .base import Batch, ProbeContext, SourceResult, Tally, Variant, with_spec
+from .base import PairedProbe, ProbeContext, SourceResult, Variant, with_spec
 
 RUNGS = ("L0 kernels", "L1 + precision", "L2 + accelerator")
 
@@ -45,11 +45,11 @@ def checkpoint_on_trainer_gpu(ctx: ProbeContext) -> NumericsSpec:
                          accumulation="fp32")
 
 
-class LadderProbe:
+class LadderProbe(PairedProbe):
     name = "ladder"
+    headline_name = "L2 + accelerator"
 
     def __init__(self, ctx: ProbeContext) -> None:
-        self.ctx = ctx
         trainer_on_gpu = resolve(ctx.cfg.trainer_gpu, ctx.trainer.dtype)
         formats = checkpoint_on_trainer_gpu(ctx)
         self.formats = formats
@@ -58,7 +58,7 @@ class LadderProbe:
         target_kernels = Variant(spec=with_spec(ctx.trainer, attention=ctx.spec.attention),
                                  attention=True, path="decode")
         ref = ctx.reference
-        self.pairs = {
+        pairs = {
             "L0 kernels": (ref, l0),
             "L1 + precision": (ref, l1),
             "L2 + accelerator": (ref, ctx.sampler),
@@ -66,21 +66,10 @@ class LadderProbe:
             "precision alone": (ref, Variant(spec=formats)),
             "accelerator alone": (l0, target_kernels),
         }
-        self.tallies = {k: Tally() for k in self.pairs}
-        self.batches_needed: int | None = None  # every batch, extensions included
-
-    def on_batch(self, batch: Batch) -> None:
-        for name, (a, b) in self.pairs.items():
-            self.ctx.compare(self.tallies[name], a, b, batch)
-
-    @property
-    def headline(self) -> Tally:
-        """The comparison whose interval --ci-target watches."""
-        return self.tallies["L2 + accelerator"]
+        super().__init__(ctx, pairs)
 
     def finish(self) -> SourceResult:
-        seed = self.ctx.cfg.seed
-        parts = {k: t.summary(seed) for k, t in self.tallies.items()}
+        parts = self.summaries()
         rungs = []
         previous = 0.0
         for name in RUNGS:
