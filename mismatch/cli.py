@@ -395,7 +395,14 @@ def _register_zoo() -> None:
     app.add_typer(zoo_app, name="zoo")
 
 
+def _register_monitor() -> None:
+    from mismatch.monitor_cli import monitor_command
+
+    app.command("monitor")(monitor_command)
+
+
 _register_zoo()
+_register_monitor()
 
 
 def main() -> None:
