@@ -1,0 +1,181 @@
+"""The sampler fleet of the asynchronous trainer: which groups of samplers exist, and which group
+serves each episode.
+
+A *group* is a pool of identical samplers: one GPU serving one precision with one KV-cache format,
+hence one `NumericsSpec` (mismatch.profiles.resolve), and a capacity share. Two presets:
+
+- `homogeneous`: one group, B200 serving BF16 with a BF16 KV cache (the trainer's own numerics
+  up to the kernels: the control arm).
+- `mixed`: the study's eight groups (probes.accelerator.fleet_groups, natural_pairs order):
+  B200 and B300 NVFP4; H100 and H200 FP8 and BF16; A100 and RTX PRO 6000 BF16; every group with
+  an FP8 KV cache. Shares are equal unless `shares` names them (unnamed groups then get 0).
+
+`Router` assigns each new episode (session) to a group in proportion to capacity. It is sticky —
+a session keeps its group on later calls, so a multi-turn episode is sampled by one numerics —
+and deterministic given its seed. Its guarantee, after N new sessions (any N, not only at the
+end of a cycle):
+
+    |count_g − N·share_g| < 1        for every group g
+
+It schedules sessions as a uniprocessor Pfair schedule (Baruah et al., "Proportionate progress",
+1996): the j-th session of group g has the window [floor((j−1)/s_g), ceil(j/s_g)) in units of
+sessions, and each new session goes to the eligible group (window opened) with the earliest
+window end. Any schedule that places every subtask inside its window keeps the lag N·s_g −
+count_g strictly within (−1, 1); on one processor with Σ s_g = 1 such a schedule exists and
+earliest-deadline-first finds one (it is optimal for unit jobs with integer windows), and some
+group is always eligible (if none were at step t, every group would hold ≥ ceil((t+1)·s_g)
+sessions, ≥ t+1 in all, but only t were assigned). The arithmetic is exact (fractions), so the
+bound holds for shares like 1/3 as well. The naive "largest deficit" rule (smooth weighted
+round-robin) does not have this bound: for some unequal shares over eight or nine groups
+(weights 65:1000:3:1:3:54:1000:1000, say) its lag exceeds 1.
+
+The seed orders ties between groups whose windows end together (a seeded permutation), so two
+routers with the same groups and seed produce the same sequence. `release(session)` ends an
+episode: the session leaves the sticky table (a later call with that id is a new session), and
+its group keeps the count, so fairness is over all sessions ever assigned. All methods take one
+lock: sampler worker threads call the router concurrently.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+
+from mismatch.profiles import NumericsSpec, resolve
+
+__all__ = ["SamplerGroup", "PRESETS", "fleet", "Router"]
+
+
+@dataclass(frozen=True)
+class SamplerGroup:
+    """A pool of identical samplers: its name ("<gpu>-<dtype>"), numerics and capacity share."""
+
+    name: str
+    spec: NumericsSpec
+    share: float
+
+
+def _homogeneous(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
+    name = "b200-bf16"
+    for key, value in shares:
+        if key.lower() != name:
+            raise ValueError(f"fleet homogeneous: unknown group {key!r}; groups: {name}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"fleet homogeneous: share of {name} must be finite and > 0")
+    return [SamplerGroup(name=name, spec=resolve("b200", "bf16", "bf16"), share=1.0)]
+
+
+def _mixed(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
+    # imported here: probes pulls in torch, which the homogeneous preset does not need
+    from probes.accelerator import fleet_groups
+
+    return [SamplerGroup(name=f"{g}-{d}", spec=resolve(g, d, "fp8"), share=s)
+            for g, d, s in fleet_groups(shares)]
+
+
+PRESETS = {"homogeneous": _homogeneous, "mixed": _mixed}
+
+
+def fleet(preset: str,
+          shares: Mapping[str, float] | Iterable[tuple[str, float]] = ()) -> list[SamplerGroup]:
+    """The groups of `preset` ("homogeneous" or "mixed"), shares normalized to 1.
+
+    `shares`: {group name: weight} or [(name, weight)]; for `mixed`, groups left out get 0."""
+    build = PRESETS.get(preset.lower() if isinstance(preset, str) else preset)
+    if build is None:
+        raise ValueError(f"unknown fleet preset {preset!r}; presets: {', '.join(PRESETS)}")
+    items = shares.items() if isinstance(shares, Mapping) else shares
+    try:
+        pairs = tuple((str(k), float(v)) for k, v in items)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"fleet shares: expected (group, number) pairs ({exc})") from None
+    return build(pairs)
+
+
+class Router:
+    """Sticky, capacity-proportional, deterministic assignment of sessions to groups (see the
+    module docstring for the bound |count_g − N·share_g| < 1 and why it holds)."""
+
+    def __init__(self, groups: Iterable[SamplerGroup], seed: int = 0) -> None:
+        self.groups = list(groups)
+        if not self.groups:
+            raise ValueError("Router: no sampler groups")
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Router: duplicate group names in {', '.join(names)}")
+        for g in self.groups:
+            if not (isinstance(g.share, (int, float)) and math.isfinite(g.share) and g.share >= 0):
+                raise ValueError(f"Router: share of {g.name} must be finite and >= 0, "
+                                 f"got {g.share!r}")
+        raw = [Fraction(g.share) for g in self.groups]
+        total = sum(raw)
+        if total <= 0:
+            raise ValueError("Router: at least one group needs a share > 0")
+        # exact normalized shares; a tiny float-normalization error does not move the schedule
+        self._share = [w / total for w in raw]
+        order = list(range(len(self.groups)))
+        random.Random(seed).shuffle(order)
+        self._tie = {g: rank for rank, g in enumerate(order)}
+        self._counts = [0] * len(self.groups)
+        self._sessions: dict[Hashable, int] = {}
+        self._assigned = 0
+        self._lock = threading.Lock()
+
+    def _next_group(self) -> int:
+        t = self._assigned  # the slot this session fills (0-based)
+        best: tuple[int, int, int] | None = None
+        for g, s in enumerate(self._share):
+            if s == 0:
+                continue
+            j = self._counts[g] + 1  # the group's next subtask
+            release = math.floor((j - 1) / s)
+            if release > t:
+                continue
+            deadline = math.ceil(j / s)
+            key = (deadline, self._tie[g], g)
+            if best is None or key < best:
+                best = key
+        if best is None:  # impossible when the shares sum to 1 (module docstring)
+            raise RuntimeError("Router: no eligible group")
+        return best[2]
+
+    def assign(self, session_id: Hashable) -> SamplerGroup:
+        """The group serving `session_id`: its existing group if it is live, else a new one."""
+        with self._lock:
+            g = self._sessions.get(session_id)
+            if g is None:
+                g = self._next_group()
+                self._counts[g] += 1
+                self._assigned += 1
+                self._sessions[session_id] = g
+            return self.groups[g]
+
+    def release(self, session_id: Hashable) -> SamplerGroup | None:
+        """End an episode: forget its stickiness (its count stays). Returns its group, or None if
+        the session was not live."""
+        with self._lock:
+            g = self._sessions.pop(session_id, None)
+            return None if g is None else self.groups[g]
+
+    def counts(self) -> dict[str, int]:
+        """Sessions ever assigned, per group name (released ones included)."""
+        with self._lock:
+            return {grp.name: c for grp, c in zip(self.groups, self._counts)}
+
+    def live(self) -> dict[str, int]:
+        """Sessions assigned and not yet released, per group name."""
+        with self._lock:
+            out = {grp.name: 0 for grp in self.groups}
+            for g in self._sessions.values():
+                out[self.groups[g].name] += 1
+            return out
+
+    @property
+    def assigned(self) -> int:
+        """New sessions assigned so far (N in the bound)."""
+        with self._lock:
+            return self._assigned
