@@ -1,0 +1,155 @@
+"""Rollouts of the asynchronous trainer: zoo episodes driven token in, token out (TITO).
+
+`run_episodes` plays a batch of zoo tasks (single-question RL episodes: zoo/episode.py ends each
+on a submit, the turn limit, or three replies in a row without a tool call) with one sampler
+group's numerics active on the model. The conversation machinery is the retokenization probe's
+(`probes.retokenization.Session`): the context of turn k+1 is the context of turn k, the ids
+sampled in turn k (closed with the end-of-turn token if the length cap cut it), then the
+environment's answer rendered as the template's continuation and encoded on its own. Nothing is
+ever decoded and re-encoded, so the trainer scores exactly the sequence the sampler saw.
+
+Each `Trajectory` carries, per sampled token, the sampler's raw log-prob (temperature 1, full
+vocabulary: what log π is compared with), its top-k candidates and the weight version that
+generated it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mismatch.profiles import NumericsSpec
+
+from .fleet import SamplerGroup
+
+__all__ = ["Trajectory", "run_episodes"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_TURN_SEED = 1000  # seed stride between turns (one generate call per turn)
+
+
+@dataclass
+class Trajectory:
+    """One episode as the policy saw it, token in, token out."""
+
+    token_ids: list[int]
+    """Prompt ids, then each turn's sampled ids (closed if cut), then each tool output's ids."""
+    sampled_mask: list[int]
+    """1 on tokens the policy sampled, 0 on prompt, tool-output and framework-closing tokens."""
+    sampler_logprobs: list[float]
+    """Raw sampler log-prob of each sampled token (0.0 elsewhere); same length as token_ids."""
+    candidate_ids: list[list[int]]
+    """Top-k candidate ids of the raw distribution, one list per sampled token (in order)."""
+    candidate_logprobs: list[list[float]]
+    """Their log-probs, one list per sampled token (in order)."""
+    policy_version: list[int]
+    """Weight version that generated each sampled token (-1 on tokens not sampled)."""
+    group: str
+    """Name of the sampler group that served the episode."""
+    reward: float
+    """1.0 for a correct submit, else 0.0."""
+    end_reason: str
+    """The environment's: "submit", "turn_limit" or "format_errors"; "context_limit" when the
+    model's context had no room for another turn."""
+    turns: int
+    """Assistant turns sampled."""
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    """(start in token_ids, sampled tokens) of each assistant turn."""
+
+    @property
+    def sampled_positions(self) -> list[int]:
+        return [i for i, m in enumerate(self.sampled_mask) if m]
+
+
+def _scales_for(model: torch.nn.Module, spec: NumericsSpec, prompts: list[list[int]]) -> dict:
+    from mismatch.engines.numerics import calibrate
+
+    device = next(model.parameters()).device
+    batches = [(torch.tensor([p], device=device),
+                torch.ones(1, len(p), dtype=torch.long, device=device)) for p in prompts[:8]]
+    return calibrate(model, spec, batches)
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen if isinstance(gen, (list, tuple)) else [gen])
+    return {i for i in ids if isinstance(i, int)}
+
+
+def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerGroup, *,
+                 version: int, scales: dict | None = None, max_turns: int = 4,
+                 max_new_tokens: int = 64, temperature: float = 1.0,
+                 top_k_candidates: int = 128, seed: int = 0) -> list[Trajectory]:
+    """Drive one single-question episode per task under `group`'s numerics, all episodes batched
+    turn by turn. `model` must be loaded in the group's compute dtype. `scales`: static
+    activation scales of the group's spec (calibrated on the tasks' prompts when the spec
+    quantizes activations and none are given)."""
+    from mismatch.engines.numerics import apply_numerics
+    from mismatch.engines.sampler import SamplingParams, generate
+    from mismatch.engines.routing import routers
+    from probes.retokenization import Session
+
+    if not tasks:
+        raise ValueError("run_episodes needs at least one task")
+    if max_turns < 1 or max_new_tokens < 1 or top_k_candidates < 1:
+        raise ValueError(f"max_turns, max_new_tokens and top_k_candidates must be >= 1, got "
+                         f"{max_turns}, {max_new_tokens}, {top_k_candidates}")
+    spec = group.spec
+    dtype = next(model.parameters()).dtype
+    if dtype != _DTYPES[spec.compute_dtype]:
+        raise ValueError(f"group {group.name} computes in {spec.compute_dtype}; the model is "
+                         f"loaded in {dtype}")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    room = None if limit is None else limit - max_new_tokens
+    sessions = [Session(tokenizer, [task], max_turns) for task in tasks]
+    if spec.activation_codec is not None and not scales:
+        scales = _scales_for(model, spec, [s.trace.tito for s in sessions])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos_ids = _eos_ids(tokenizer, model)
+    k = min(top_k_candidates, vocab)
+    logprobs: list[dict[int, float]] = [{} for _ in sessions]
+    cands: list[list[tuple[list[int], list[float]]]] = [[] for _ in sessions]
+    live = [i for i, s in enumerate(sessions) if room is None or len(s.trace.tito) <= room]
+    cut: set[int] = set(range(len(sessions))) - set(live)
+    with apply_numerics(model, spec, scales):
+        for turn in range(max_turns):
+            if not live:
+                break
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                    candidates=k, seed=seed + _TURN_SEED * turn)
+            ro = generate(model, [sessions[i].trace.tito for i in live], params, pad_id=pad_id,
+                          eos_ids=eos_ids, label=spec.label, with_routing=bool(routers(model)))
+            pw = int(ro.meta["prompt_width"])
+            going = []
+            for row, i in enumerate(live):
+                keep = ro.completion_mask[row, pw:] > 0
+                ids = ro.token_ids[row, pw:][keep].tolist()
+                start = len(sessions[i].trace.tito)
+                for j, lp in enumerate(ro.sampler_logprobs[row, pw:][keep].tolist()):
+                    logprobs[i][start + j] = lp
+                cands[i].extend(zip(ro.candidate_ids[row, pw:][keep].tolist(),
+                                    ro.candidate_logprobs[row, pw:][keep].tolist()))
+                if sessions[i].step(ids, room):
+                    going.append(i)
+                elif not sessions[i].episode.done:
+                    cut.add(i)
+            live = going
+    out = []
+    for i, s in enumerate(sessions):
+        tr, ep = s.trace, s.episode
+        n = len(tr.tito)
+        mask = [0] * n
+        for start, length in tr.turns:
+            mask[start:start + length] = [1] * length
+        lps = [logprobs[i].get(p, 0.0) for p in range(n)]
+        out.append(Trajectory(
+            token_ids=list(tr.tito), sampled_mask=mask, sampler_logprobs=lps,
+            candidate_ids=[c for c, _ in cands[i]], candidate_logprobs=[c for _, c in cands[i]],
+            policy_version=[version if m else -1 for m in mask], group=group.name,
+            reward=float(ep.reward),
+            end_reason="context_limit" if i in cut else str(ep.end_reason),
+            turns=len(tr.turns), turn_spans=list(tr.turns)))
+    return out
