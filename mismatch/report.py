@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["atomic_directory", "format_table", "markdown_report", "write_probe_outputs"]
+__all__ = ["atomic_directory", "format_table", "markdown_report", "save_figure",
+           "write_probe_outputs"]
 
 _ROWS = (("kl_k3", "KL k3", "{:.3e}"), ("kl_k1", "KL k1", "{:+.3e}"),
          ("abs_logprob_diff_mean", "|Δlogp| mean", "{:.3e}"),
@@ -65,6 +66,16 @@ def markdown_report(summary: dict, command: str) -> str:
     return "\n".join(out)
 
 
+def save_figure(fig, path: Path) -> str:
+    """Lay out, write (110 dpi) and close one matplotlib figure; returns the file's name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path).name
+
+
 def _plots(tmp: Path, log_ratio: torch.Tensor, per_position: dict[str, list[float]],
            title: str) -> None:
     import matplotlib
@@ -81,9 +92,7 @@ def _plots(tmp: Path, log_ratio: torch.Tensor, per_position: dict[str, list[floa
     ax.set_xlabel("log π_trainer − log μ_sampler (per token)")
     ax.set_ylabel("tokens")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(tmp / "log_ratio_hist.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, tmp / "log_ratio_hist.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, values in per_position.items():
@@ -94,9 +103,7 @@ def _plots(tmp: Path, log_ratio: torch.Tensor, per_position: dict[str, list[floa
     ax.set_ylabel("mean k3")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(tmp / "per_position.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, tmp / "per_position.png")
 
 
 @contextlib.contextmanager

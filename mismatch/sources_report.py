@@ -214,6 +214,7 @@ def sources_markdown(summary: dict, command: str, plots: list[str]) -> str:
 
 
 def _plots(tmp: Path, run) -> list[str]:
+    from mismatch.report import save_figure
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,10 +236,7 @@ def _plots(tmp: Path, run) -> list[str]:
         ax.set_yscale("log")
         ax.set_ylabel("KL exact (nats/token)")
         ax.set_title(label, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(tmp / "source_kl.png", dpi=110)
-        plt.close(fig)
-        made.append("source_kl.png")
+        made.append(save_figure(fig, tmp / "source_kl.png"))
 
     hists = [("total", run.log_ratio_total)] + [
         (n, r.log_ratio) for n, r in run.results.items()
@@ -259,10 +257,7 @@ def _plots(tmp: Path, run) -> list[str]:
         for ax in list(axes.flat)[k:]:
             ax.axis("off")
         fig.suptitle(f"log π_trainer − log μ_sampler per token — {label}", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(tmp / "log_ratio_hist.png", dpi=110)
-        plt.close(fig)
-        made.append("log_ratio_hist.png")
+        made.append(save_figure(fig, tmp / "log_ratio_hist.png"))
 
     routing = s["sources"].get("routing", {})
     if routing.get("flip_rate_by_layer"):
@@ -275,10 +270,7 @@ def _plots(tmp: Path, run) -> list[str]:
         ax.set_ylabel("share of positions with a flip")
         ax.legend(fontsize=8)
         ax.set_title(f"routing flips — {label}", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(tmp / "routing.png", dpi=110)
-        plt.close(fig)
-        made.append("routing.png")
+        made.append(save_figure(fig, tmp / "routing.png"))
 
     stale = s["sources"].get("staleness", {})
     if stale.get("kl_exact_by_lag"):
@@ -298,10 +290,7 @@ def _plots(tmp: Path, run) -> list[str]:
         ax.set_ylabel("KL (nats/token)")
         ax.legend(fontsize=8)
         ax.set_title(f"staleness — {s['model']} (EMULATED)", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(tmp / "staleness.png", dpi=110)
-        plt.close(fig)
-        made.append("staleness.png")
+        made.append(save_figure(fig, tmp / "staleness.png"))
 
     if "ladder" in s:
         rungs = s["ladder"]["rungs"]
@@ -320,10 +309,7 @@ def _plots(tmp: Path, run) -> list[str]:
                       fontsize=8, rotation=15)
         ax.set_ylabel("KL exact (nats/token)")
         ax.set_title(f"ladder — {label}", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(tmp / "ladder.png", dpi=110)
-        plt.close(fig)
-        made.append("ladder.png")
+        made.append(save_figure(fig, tmp / "ladder.png"))
     return made
 
 
@@ -381,6 +367,7 @@ def fleet_markdown(summary: dict, command: str, plot: str | None = None) -> str:
 
 def fleet_plot(summary: dict, path: Path) -> None:
     """Per-group KL bars with intervals, and the capacity-weighted fleet."""
+    from mismatch.report import save_figure
     import matplotlib
 
     matplotlib.use("Agg")
@@ -400,6 +387,4 @@ def fleet_plot(summary: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("KL exact (nats/token)")
     ax.set_title("mixed fleet vs BF16 trainer, FP8 KV caches (EMULATED)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
