@@ -401,8 +401,16 @@ def _register_monitor() -> None:
     app.command("monitor")(monitor_command)
 
 
+def _register_train() -> None:
+    from mismatch.train_cli import report_command, train_command
+
+    app.command("train")(train_command)
+    app.command("report")(report_command)
+
+
 _register_zoo()
 _register_monitor()
+_register_train()
 
 
 def main() -> None:

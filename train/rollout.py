@@ -9,8 +9,10 @@ environment's answer rendered as the template's continuation and encoded on its 
 ever decoded and re-encoded, so the trainer scores exactly the sequence the sampler saw.
 
 Each `Trajectory` carries, per sampled token, the sampler's raw log-prob (temperature 1, full
-vocabulary: what log π is compared with), its top-k candidates and the weight version that
-generated it.
+vocabulary: what log π is compared with), its top-k candidates (k = 128 by default) with the
+flags of those inside the distribution actually sampled from (the top-p support when the sampler
+draws from a nucleus: p = 0.97 capped at 64 tokens in the study, NUMERICS.md §5), the weight
+version that generated it, and the experts each MoE layer routed every position to.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ class Trajectory:
     """Assistant turns sampled."""
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     """(start in token_ids, sampled tokens) of each assistant turn."""
+    candidate_support: list[list[bool]] = field(default_factory=list)
+    """Per sampled token, which candidates lie in the sampled distribution's support (all True
+    when sampling from the full vocabulary and the candidates do not cover it)."""
+    routed_experts: torch.Tensor | None = None
+    """[len(token_ids), layers, k] int64 experts each MoE layer routed each position to (the
+    sampler's last computation of that position; −1 where none was recorded)."""
 
     @property
     def sampled_positions(self) -> list[int]:
@@ -80,12 +88,14 @@ def _eos_ids(tokenizer, model) -> set[int]:
 
 def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerGroup, *,
                  version: int, scales: dict | None = None, max_turns: int = 4,
-                 max_new_tokens: int = 64, temperature: float = 1.0,
-                 top_k_candidates: int = 128, seed: int = 0) -> list[Trajectory]:
+                 max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, top_k_candidates: int = 128,
+                 seed: int = 0) -> list[Trajectory]:
     """Drive one single-question episode per task under `group`'s numerics, all episodes batched
     turn by turn. `model` must be loaded in the group's compute dtype. `scales`: static
     activation scales of the group's spec (calibrated on the tasks' prompts when the spec
-    quantizes activations and none are given)."""
+    quantizes activations and none are given). `top_p`, `top_k`: the sampled nucleus (1.0 and
+    0: the full distribution)."""
     from mismatch.engines.numerics import apply_numerics
     from mismatch.engines.sampler import SamplingParams, generate
     from mismatch.engines.routing import routers
@@ -112,6 +122,8 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
     k = min(top_k_candidates, vocab)
     logprobs: list[dict[int, float]] = [{} for _ in sessions]
     cands: list[list[tuple[list[int], list[float]]]] = [[] for _ in sessions]
+    support: list[list[list[bool]]] = [[] for _ in sessions]
+    routed: list[torch.Tensor | None] = [None for _ in sessions]
     live = [i for i, s in enumerate(sessions) if room is None or len(s.trace.tito) <= room]
     cut: set[int] = set(range(len(sessions))) - set(live)
     with apply_numerics(model, spec, scales):
@@ -119,7 +131,8 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
             if not live:
                 break
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                    candidates=k, seed=seed + _TURN_SEED * turn)
+                                    top_p=top_p, top_k=top_k, candidates=k,
+                                    seed=seed + _TURN_SEED * turn)
             ro = generate(model, [sessions[i].trace.tito for i in live], params, pad_id=pad_id,
                           eos_ids=eos_ids, label=spec.label, with_routing=bool(routers(model)))
             pw = int(ro.meta["prompt_width"])
@@ -132,6 +145,11 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
                     logprobs[i][start + j] = lp
                 cands[i].extend(zip(ro.candidate_ids[row, pw:][keep].tolist(),
                                     ro.candidate_logprobs[row, pw:][keep].tolist()))
+                support[i].extend(ro.meta["candidate_in_support"][row, pw:][keep].tolist())
+                if ro.routed_experts is not None:
+                    # each turn re-prefills the whole context (right-aligned at prompt_width),
+                    # so the latest turn's span covers positions 0 … its last sampled id
+                    routed[i] = ro.routed_experts[row, pw - start:pw + len(ids)]
                 if sessions[i].step(ids, room):
                     going.append(i)
                 elif not sessions[i].episode.done:
@@ -141,6 +159,11 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
     for i, s in enumerate(sessions):
         tr, ep = s.trace, s.episode
         n = len(tr.tito)
+        experts = None
+        if routed[i] is not None:
+            span = routed[i]
+            experts = torch.full((n, *span.shape[1:]), -1, dtype=torch.long)
+            experts[:span.shape[0]] = span
         mask = [0] * n
         for start, length in tr.turns:
             mask[start:start + length] = [1] * length
@@ -148,6 +171,7 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
         out.append(Trajectory(
             token_ids=list(tr.tito), sampled_mask=mask, sampler_logprobs=lps,
             candidate_ids=[c for c, _ in cands[i]], candidate_logprobs=[c for _, c in cands[i]],
+            candidate_support=support[i], routed_experts=experts,
             policy_version=[version if m else -1 for m in mask], group=group.name,
             reward=float(ep.reward),
             end_reason="context_limit" if i in cut else str(ep.end_reason),

@@ -80,7 +80,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     forced: [B, n] completion tokens to feed instead of sampling (a replay of an earlier rollout
     of the same prompts through this decode path: its log-probs are what this configuration
     would have reported for those tokens). keep_full: also keep the whole raw log-softmax of
-    every step, `meta["full_logprobs"]` [B, n, V] FP32."""
+    every step, `meta["full_logprobs"]` [B, n, V] FP32. `meta["candidate_in_support"]` [B, T, K]
+    bool marks the candidates inside the distribution sampled from (top-k / top-p support)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
     if forced is not None and (forced.ndim != 2 or forced.shape[0] != len(prompts)
@@ -98,6 +99,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     g = torch.Generator(device=device).manual_seed(params.seed)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     raw_lp, proc_lp, cand_ids, cand_lp, done_masks, tokens = [], [], [], [], [], []
+    in_support: list[torch.Tensor] = []
     full: list[torch.Tensor] = []
     steps = params.max_new_tokens if forced is None else forced.shape[1]
     routing: list[list[torch.Tensor]] = []
@@ -124,6 +126,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
             top = raw.topk(min(params.candidates, raw.shape[-1]), dim=-1)
             cand_ids.append(top.indices)
             cand_lp.append(top.values)
+            in_support.append(torch.isfinite(proc.gather(-1, top.indices)))
             done_masks.append(live.float())
             tokens.append(token)
             finished = finished | torch.isin(token, eos)
@@ -151,7 +154,10 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
         candidate_ids=torch.cat([torch.zeros(b, p, k, dtype=torch.long),
                                  torch.stack(cand_ids, 1)], dim=1),
         candidate_logprobs=torch.cat([torch.zeros(b, p, k), torch.stack(cand_lp, 1)], dim=1),
-        sampler=label, mode=mode, meta={"prompt_width": p})
+        sampler=label, mode=mode,
+        meta={"prompt_width": p,
+              "candidate_in_support": torch.cat([torch.zeros(b, p, k, dtype=torch.bool),
+                                                 torch.stack(in_support, 1).cpu()], dim=1)})
     if keep_full:
         rollout.meta["full_logprobs"] = torch.stack(full, 1)
     if routing and all(r for r in routing):

@@ -1,0 +1,125 @@
+"""`mismatch train` (corrected asynchronous GRPO on a sampler fleet) and `mismatch report DIR`
+(the run's curves). Registered by mismatch/cli.py.
+
+Exit codes of `train`: 0 the run reached --steps; 3 it stopped on an alert (`--stop-on`, with a
+checkpoint, resumable); 2 bad input (unknown preset or arm, an --out that already holds a run
+without --resume, a config that differs from the run being resumed, an unreadable checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+__all__ = ["train_command", "report_command"]
+
+
+def train_command(
+    out: Path = typer.Option(..., "--out", help="Run directory (metrics.jsonl, alerts.jsonl, "
+                             "checkpoints/, eval.json, final/)."),
+    preset: str = typer.Option("mixed", "--preset", help="homogeneous | mixed | smoke "
+                               "(a few small steps on the mixed fleet, for CI)."),
+    correction: str = typer.Option("sc+mis+topp", "--correction", help="Loss arm: grpo, mis, "
+                                   "icepop, tis, sc, sc+mis, sc+tis, topp, sc+mis+topp."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (preset's "
+                                        "default: 200; smoke: 3)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its "
+                                "newest checkpoint."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (1e-4)."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts per step (4)."),
+    samples: Optional[int] = typer.Option(None, "--samples", help="Episodes per prompt, the "
+                                          "GRPO group (8)."),
+    max_staleness: Optional[int] = typer.Option(None, "--max-staleness", help="Bound on a "
+                                                "token's staleness in steps (unbounded)."),
+    sync: bool = typer.Option(False, "--sync", help="Synchronous: sample with version s, then "
+                              "train step s."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Sampler worker threads (1)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (1)."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every",
+                                                   help="Checkpoint every N steps (10)."),
+    eval_tasks: Optional[int] = typer.Option(None, "--eval-tasks", help="Held-out tasks "
+                                             "evaluated before and after (64; smoke 0)."),
+    stop_on: Optional[str] = typer.Option(None, "--stop-on", help="End the run, with a "
+                                          "checkpoint, on an alert: warning | critical."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Router, task order, sampling."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Train the embedded model with corrected asynchronous GRPO on a sampler fleet."""
+    from mismatch.cli import fail, quiet_libraries
+
+    quiet_libraries()
+    from train.trainer import EXIT_STOPPED, preset_config, run
+
+    try:
+        cfg = preset_config(preset, correction=correction, steps=steps, lr=lr,
+                            prompts_per_step=prompts, samples_per_prompt=samples,
+                            max_staleness=max_staleness, sync=sync or None, workers=workers,
+                            threads=threads, checkpoint_every=checkpoint_every,
+                            eval_tasks=eval_tasks, seed=seed)
+    except ValueError as exc:
+        fail(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    command = "mismatch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    def body(progress):
+        return run(cfg, out, resume=resume, stop_on=stop_on, progress=progress)
+
+    try:
+        result = _with_step_bar(body, cfg.steps, quiet=quiet)
+    except ValueError as exc:
+        fail(str(exc))
+    (Path(out) / "command.txt").write_text(command + "\n")
+    ev = result.evaluation
+    lines = [f"{out}: {result.steps_done} steps ({cfg.correction} on {cfg.fleet})"]
+    if "base" in ev and "final" in ev:
+        lines.append(f"held-out reward: base {ev['base']['reward']:.3f} -> final "
+                     f"{ev['final']['reward']:.3f} ({ev['tasks']} tasks x {ev['samples']})")
+    if result.alerts:
+        lines.append(f"alerts: {len(result.alerts)} (see {Path(out) / 'alerts.jsonl'})")
+    typer.echo("\n".join(lines))
+    if result.stopped:
+        typer.echo(f"stopped: {result.stopped}; resume with --resume", err=True)
+        raise typer.Exit(EXIT_STOPPED)
+
+
+def _with_step_bar(fn, total: int, *, quiet: bool):
+    if quiet:
+        return fn(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+        task = bar.add_task("training", total=total)
+
+        def progress(rec: dict) -> None:
+            bar.update(task, completed=rec["step"], description=(
+                f"reward {rec['reward']:.2f} kl {rec['kl']:.1e} stale {rec['staleness_mean']:.1f}"))
+
+        return fn(progress)
+
+
+def report_command(
+    run_dir: Path = typer.Argument(..., help="A `mismatch train` run directory (or several, "
+                                   "side by side).", show_default=False),
+    others: list[Path] = typer.Argument(None, help="More run directories to compare.",
+                                        show_default=False),
+    out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: "
+                                       "RUN_DIR/report)."),
+) -> None:
+    """Draw a training run's curves (reward, KL, format errors, masked fraction, ...)."""
+    from mismatch.cli import fail
+
+    from train.report import write_report
+
+    dirs = [run_dir] + list(others or [])
+    try:
+        path = write_report(dirs, out or Path(run_dir) / "report")
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(f"wrote {path}")

@@ -1,0 +1,765 @@
+"""The trainer and the asynchronous loop: sampler workers generate with the weights they hold,
+the trainer takes corrected GRPO steps and publishes new weights, the collapse monitor watches.
+
+One *unit* of work is one prompt's group of `samples_per_prompt` episodes. Units are numbered in
+the order they are claimed; the router (fleet.Router, capacity-proportional) assigns each unit to
+a sampler group, and all its episodes are sampled by that group's numerics (a GRPO group is one
+request to one server, as an n-sample request is in a real fleet).
+
+Asynchrony (`run`):
+
+- A worker thread claims a unit, picks up the newest published weights if it holds an older
+  version (only between units, never mid-episode), and drives the episodes (rollout.py). Each
+  sampled token carries the version that generated it.
+- The trainer takes the first `prompts_per_step` finished units off the queue, computes the loss
+  of the chosen correction arm (loss.py) in BF16 on its FP32 master's cast, steps AdamW on the
+  master, and publishes the BF16 cast as version step+1. Staleness of a token = the optimizer step
+  that consumes it − the version that generated it.
+- Unbounded staleness (default): workers claim a new unit while fewer than `queue_steps` steps'
+  worth of units are claimed and not yet consumed (back-pressure, not a staleness bound).
+  `max_staleness` = s: a unit is claimed only while claimed < (version + 1 + s)·prompts_per_step
+  (the gate of an AReaL-style bounded-staleness pipeline), and a unit staler than s when it is
+  consumed is discarded and counted. `sync` = staleness 0: exactly one step of units per version,
+  sampled, then trained on, with the workers idle while the trainer steps.
+
+Run directory (`out`):
+
+- `metrics.jsonl`: one object per optimizer step (`step` = steps completed), the monitor's native
+  format (probes.alerts.SIGNALS), so `mismatch monitor out/metrics.jsonl` reads it.
+- `alerts.jsonl`: the collapse monitor's alerts (probes.sinks.JsonlSink).
+- `checkpoints/step-NNNNNN/`: FP32 master, AdamW state, the unit cursor and the config, written
+  to a temporary sibling and renamed; the newest two are kept.
+- `config.json`; `eval.json`, the held-out reward before the first and after the last step
+  (`eval_tasks` > 0); `final/`, the BF16 policy with its tokenizer, when the run ends.
+
+Resume after a kill: the newest checkpoint is loaded; `metrics.jsonl` and `alerts.jsonl` are cut
+back to its step (a torn last line dropped), the monitor replays the kept records to rebuild its
+baselines, and the units claimed after the checkpoint — in flight or queued at the kill — are
+counted, logged and regenerated. No optimizer step is lost (they are recomputed from the
+checkpoint) and none is duplicated (the log is cut back first). In `sync` mode the resumed run is
+bit-identical to an uninterrupted one: the batch of step s is units [s·P, (s+1)·P), each seeded by
+its number, sampled with version s.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import queue
+import shutil
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from mismatch.metrics import MIS_HIGH, MIS_LOW, kl_estimators
+
+from .fleet import PRESETS as FLEET_PRESETS
+from .fleet import Router, SamplerGroup, fleet
+from .loss import ARMS, group_advantages, policy_loss
+from .rollout import Trajectory, run_episodes
+
+__all__ = ["TrainConfig", "RUN_PRESETS", "preset_config", "run", "RunResult", "read_metrics",
+           "latest_checkpoint"]
+
+log = logging.getLogger("mismatch.train")
+
+_CHECKPOINTS_KEPT = 2
+_TAIL_FLOOR = 1e-6  # as loss._MIN_TAIL_MASS: a tail below this is float noise
+EXIT_STOPPED = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that defines a run (saved as out/config.json; a resume must match it)."""
+
+    fleet: str = "mixed"
+    """Sampler fleet preset (train.fleet.PRESETS): homogeneous or mixed."""
+    correction: str = "sc+mis+topp"
+    """Loss arm (train.loss.ARMS)."""
+    steps: int = 200
+    """Optimizer steps to reach (a resume may raise it)."""
+    prompts_per_step: int = 4
+    """Prompts (GRPO groups, units) per optimizer step."""
+    samples_per_prompt: int = 8
+    """Episodes per prompt (the GRPO group size)."""
+    lr: float = 1e-4
+    """AdamW learning rate on the FP32 master."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    max_turns: int = 4
+    """Assistant turns per episode at most."""
+    max_new_tokens: int = 64
+    """Tokens per assistant turn at most."""
+    candidates: int = 128
+    """Top-k candidates the samplers ship per token (score centering's set)."""
+    top_p: float = 0.97
+    """Nucleus mass of the top-p arms' samplers (other arms sample the full distribution)."""
+    top_p_max_tokens: int = 64
+    """Cap on the top-p nucleus (top-k applied first)."""
+    max_staleness: int | None = None
+    """Bound on a token's staleness in optimizer steps (None: unbounded)."""
+    sync: bool = False
+    """Synchronous mode: sample with version s, then train step s (staleness 0)."""
+    workers: int = 1
+    """Sampler worker threads."""
+    queue_steps: int = 2
+    """Back-pressure of the unbounded pipeline: steps' worth of units claimed ahead at most."""
+    checkpoint_every: int = 10
+    """Checkpoint every this many steps (and at the end or a stop)."""
+    threads: int = 1
+    """torch intra-op threads (the process's; every worker and the trainer share them)."""
+    seed: int = 0
+    """Seeds the router, the tasks' order and every unit's sampling."""
+    eval_tasks: int = 0
+    """Held-out tasks evaluated before the first and after the last step (0: no evaluation)."""
+    eval_samples: int = 4
+    """Episodes per held-out task in that evaluation (temperature 1, the trainer's numerics)."""
+
+    def __post_init__(self) -> None:
+        if self.fleet not in FLEET_PRESETS:
+            raise ValueError(f"unknown fleet preset {self.fleet!r}; presets: "
+                             f"{', '.join(FLEET_PRESETS)}")
+        if self.correction not in ARMS:
+            raise ValueError(f"unknown correction {self.correction!r}; arms: {', '.join(ARMS)}")
+        if self.eval_tasks < 0 or self.eval_samples < 1:
+            raise ValueError(f"eval-tasks must be >= 0 and eval-samples >= 1, got "
+                             f"{self.eval_tasks}, {self.eval_samples}")
+        for name in ("steps", "prompts_per_step", "max_turns", "max_new_tokens", "candidates",
+                     "top_p_max_tokens", "workers", "queue_steps", "checkpoint_every",
+                     "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+        if self.samples_per_prompt < 2:
+            raise ValueError("samples-per-prompt must be >= 2 (GRPO advantages are relative "
+                             f"to the group), got {self.samples_per_prompt}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max-staleness must be >= 0, got {self.max_staleness}")
+
+    @property
+    def staleness_bound(self) -> int | None:
+        return 0 if self.sync else self.max_staleness
+
+    @property
+    def samples_top_p(self) -> bool:
+        return ARMS[self.correction].top_p
+
+    # fields a resume may change without changing what the run computes
+    RESUMABLE = ("steps", "checkpoint_every", "threads", "workers", "eval_tasks",
+                 "eval_samples")
+
+
+RUN_PRESETS: dict[str, dict[str, Any]] = {
+    "homogeneous": {"fleet": "homogeneous", "eval_tasks": 64},
+    "mixed": {"fleet": "mixed", "eval_tasks": 64},
+    # a few small steps on the mixed fleet: every code path (quantized groups, calibration,
+    # checkpoints, the monitor) in well under a minute on 2 cores
+    "smoke": {"fleet": "mixed", "steps": 3, "prompts_per_step": 2, "samples_per_prompt": 4,
+              "max_turns": 2, "max_new_tokens": 48, "candidates": 32, "checkpoint_every": 2},
+}
+"""`mismatch train --preset`: a fleet plus defaults sized for it."""
+
+
+def preset_config(preset: str, **overrides: Any) -> TrainConfig:
+    """The config of a run preset with explicit overrides (None values are ignored)."""
+    if preset not in RUN_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(RUN_PRESETS)}")
+    values = dict(RUN_PRESETS[preset])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# units and the batch
+
+
+@dataclass
+class Unit:
+    """One prompt's group of episodes, sampled by one group with one weight version."""
+
+    index: int
+    group: str
+    version: int
+    episodes: list[Trajectory]
+    seconds: float
+
+
+def task_of(index: int, seed: int):
+    """The training task of unit `index` (a fixed, seeded order over the zoo's train split)."""
+    from mismatch.zoo.tasks import HELDOUT_SEED_BASE, make_task
+
+    return make_task((seed * 7919 + index) % HELDOUT_SEED_BASE)
+
+
+def _unit_seed(index: int, seed: int) -> int:
+    return (seed * 1_000_003 + index * 104_729) % (2**31 - 1)
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor            # [B, T] int64, right-padded
+    attention: torch.Tensor      # [B, T] int64
+    mask: torch.Tensor           # [B, T] bool, sampled tokens
+    sampler_logp: torch.Tensor   # [B, T] float32
+    cand_ids: torch.Tensor       # [B, T, K] int64
+    cand_sampler_logp: torch.Tensor  # [B, T, K] float32, −inf padding
+    support: torch.Tensor        # [B, T, K] bool
+    advantages: torch.Tensor     # [B] float32
+    staleness: torch.Tensor      # [B, T] float32 (valid where mask)
+    groups: list[str]
+
+
+def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
+    """Pad the units' episodes into one batch; advantages are group-relative within a unit."""
+    eps = [ep for u in units for ep in u.episodes]
+    b, t = len(eps), max(len(ep.token_ids) for ep in eps)
+    k = max((len(c) for ep in eps for c in ep.candidate_ids[:1]), default=1)
+    ids = torch.full((b, t), pad_id, dtype=torch.long)
+    attention = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    slp = torch.zeros(b, t)
+    cand_ids = torch.zeros(b, t, k, dtype=torch.long)
+    cand_slp = torch.full((b, t, k), float("-inf"))
+    support = torch.zeros(b, t, k, dtype=torch.bool)
+    stale = torch.zeros(b, t)
+    for i, ep in enumerate(eps):
+        n = len(ep.token_ids)
+        ids[i, :n] = torch.tensor(ep.token_ids)
+        attention[i, :n] = 1
+        mask[i, :n] = torch.tensor(ep.sampled_mask, dtype=torch.bool)
+        slp[i, :n] = torch.tensor(ep.sampler_logprobs)
+        pos = torch.tensor(ep.sampled_positions, dtype=torch.long)
+        if len(pos):
+            cand_ids[i, pos] = torch.tensor(ep.candidate_ids)
+            cand_slp[i, pos] = torch.tensor(ep.candidate_logprobs)
+            support[i, pos] = torch.tensor(ep.candidate_support, dtype=torch.bool)
+            stale[i, pos] = float(step) - torch.tensor(ep.policy_version, dtype=torch.float)[pos]
+    rewards = torch.tensor([[ep.reward for ep in u.episodes] for u in units])
+    return Batch(ids=ids, attention=attention, mask=mask, sampler_logp=slp, cand_ids=cand_ids,
+                 cand_sampler_logp=cand_slp, support=support,
+                 advantages=group_advantages(rewards).flatten().float(), staleness=stale,
+                 groups=[u.group for u in units for _ in u.episodes])
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer
+
+
+class Trainer:
+    """FP32 master + AdamW; the loss runs on the master's BF16 cast (the trainer's numerics)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.master = copy.deepcopy(model).float()
+        self.compute = copy.deepcopy(model).to(torch.bfloat16)
+        self.master.train()
+        self.compute.train()
+        self.opt = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
+                                     weight_decay=0.0)
+        self._sync_compute()
+
+    def _sync_compute(self) -> None:
+        with torch.no_grad():
+            for p, m in zip(self.compute.parameters(), self.master.parameters()):
+                p.copy_(m)
+
+    def published(self) -> dict[str, torch.Tensor]:
+        """The BF16 weights samplers load (a copy: safe to hand to other threads)."""
+        return {n: p.detach().clone() for n, p in self.compute.state_dict().items()}
+
+    def step(self, batch: Batch) -> dict[str, Any]:
+        """One corrected GRPO step; returns its metrics (floats)."""
+        cfg = self.cfg
+        arm = ARMS[cfg.correction]
+        self.compute.zero_grad(set_to_none=True)
+        logits = self.compute(input_ids=batch.ids, attention_mask=batch.attention,
+                              use_cache=False).logits.float()
+        lsm = torch.log_softmax(logits[:, :-1], dim=-1)                      # predicts t+1
+        nxt = batch.ids[:, 1:]
+        logp = torch.zeros(batch.ids.shape, dtype=torch.float32)
+        logp = torch.cat([logp[:, :1], lsm.gather(-1, nxt[..., None])[..., 0]], dim=1)
+        cand = torch.cat([torch.zeros_like(batch.cand_ids[:, :1], dtype=torch.float32)
+                          .expand(-1, -1, batch.cand_ids.shape[-1]),
+                          lsm.gather(-1, batch.cand_ids[:, 1:])], dim=1)
+        mask = batch.mask.clone()
+        mask[:, 0] = False
+        kwargs = {}
+        if arm.centered or arm.top_p:
+            kwargs = dict(cand_logp=cand, cand_sampler_logp=batch.cand_sampler_logp)
+            if arm.top_p:
+                kwargs["support_mask"] = batch.support
+        loss, m = policy_loss(logp, batch.sampler_logp, batch.advantages, mask,
+                              arm=cfg.correction, **kwargs)
+        loss.backward()
+        with torch.no_grad():
+            for p, mp in zip(self.compute.parameters(), self.master.parameters()):
+                mp.grad = None if p.grad is None else p.grad.float()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), cfg.grad_clip)
+            if torch.isfinite(grad_norm):
+                self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self._sync_compute()
+            out = self._metrics(m, lsm, logp.detach(), cand.detach(), batch, mask)
+        out.update(loss=float(loss.detach()), grad_norm=float(grad_norm),
+                   skipped_nonfinite=not bool(torch.isfinite(grad_norm)))
+        return out
+
+    def _metrics(self, m, lsm, logp, cand, batch: Batch, mask) -> dict[str, Any]:
+        valid = mask & torch.isfinite(batch.sampler_logp)
+        kl = kl_estimators(logp, batch.sampler_logp, valid)
+        ent = -(lsm.exp() * lsm).sum(-1)                                    # [B, T-1]
+        ent_mean = float(ent[valid[:, 1:]].mean()) if valid.any() else float("nan")
+        per_group: dict[str, float] = {}
+        for g in sorted(set(batch.groups)):
+            rows = torch.tensor([x == g for x in batch.groups])
+            gm = valid & rows[:, None]
+            per_group[g] = float(kl_estimators(logp, batch.sampler_logp, gm)["kl_k3"])
+        out = {"kl": float(kl["kl_k3"]), "kl_k1": float(kl["kl_k1"]),
+               "mis_masked_fraction": float(m["mis_masked_fraction"]),
+               "ratio_p05": float(m["ratio_p05"]), "ratio_p50": float(m["ratio_p50"]),
+               "ratio_p95": float(m["ratio_p95"]), "entropy": ent_mean, "group_kl": per_group,
+               "valid_tokens": int(m["valid_tokens"])}
+        out["sc_tail_ratio"] = (float(m["sc_tail_ratio"]) if "sc_tail_ratio" in m
+                                else _tail_ratio(cand, batch.cand_sampler_logp, valid))
+        for key in ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer"):
+            if key in m:
+                out[key] = float(m[key])
+        return out
+
+
+def _tail_ratio(cand_logp, cand_sampler_logp, valid) -> float:
+    """ρ = (1 − Σ_H μ)/(1 − Σ_H π) over the candidates, as score centering computes it
+    (reported for every arm, so that the uncorrected arms show it too)."""
+    have = torch.isfinite(cand_sampler_logp) & valid[..., None]
+    mu = torch.where(have, cand_sampler_logp.double().exp(), 0).sum(-1)
+    pi = torch.where(have, cand_logp.double().exp(), 0).sum(-1)
+    tail_mu = (1 - mu).clamp_min(0)
+    tail_pi = (1 - pi).clamp_min(_TAIL_FLOOR)
+    rho = torch.where(tail_mu > _TAIL_FLOOR, tail_mu / tail_pi, 0)
+    return float(rho[valid].mean()) if valid.any() else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# publication and the sampler workers
+
+
+class Publisher:
+    """The newest published weights and their monotonic version."""
+
+    def __init__(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        self._lock = threading.Lock()
+        self.version, self.weights = version, weights
+
+    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            if version <= self.version:
+                raise RuntimeError(f"publication must be monotonic: {version} after "
+                                   f"{self.version}")
+            self.version, self.weights = version, weights
+
+    def latest(self) -> tuple[int, dict[str, torch.Tensor]]:
+        with self._lock:
+            return self.version, self.weights
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class Pipeline:
+    """Sampler worker threads feeding finished units into a queue, gated as the config says."""
+
+    def __init__(self, cfg: TrainConfig, groups: list[SamplerGroup], model, tokenizer,
+                 publisher: Publisher, start_unit: int) -> None:
+        self.cfg, self.groups, self.tokenizer, self.publisher = cfg, groups, tokenizer, publisher
+        self._base = model
+        self.router = Router(groups, seed=cfg.seed)
+        for u in range(start_unit):  # replay: unit u's group is the router's u-th assignment
+            self.router.assign(u)
+            self.router.release(u)
+        self.cursor = start_unit
+        self.consumed = start_unit
+        self.results: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.busy_seconds = 0.0
+
+    def start(self) -> None:
+        for w in range(self.cfg.workers):
+            th = threading.Thread(target=self._work, name=f"sampler-{w}", daemon=True)
+            th.start()
+            self._threads.append(th)
+
+    def _may_claim(self) -> bool:
+        p, bound = self.cfg.prompts_per_step, self.cfg.staleness_bound
+        if bound is not None:
+            return self.cursor < (self.publisher.version + 1 + bound) * p
+        return self.cursor < self.consumed + self.cfg.queue_steps * p
+
+    def _claim(self) -> tuple[int, SamplerGroup] | None:
+        with self._cond:
+            while not self._stop.is_set() and not self._may_claim():
+                self._cond.wait(0.5)
+            if self._stop.is_set():
+                return None
+            u = self.cursor
+            self.cursor += 1
+            group = self.router.assign(u)
+            self.router.release(u)
+            return u, group
+
+    def notify(self, consumed: int | None = None) -> None:
+        with self._cond:
+            if consumed is not None:
+                self.consumed = consumed
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        models: dict[torch.dtype, tuple[int, torch.nn.Module]] = {}
+        try:
+            while True:
+                claim = self._claim()
+                if claim is None:
+                    return
+                u, group = claim
+                version, weights = self.publisher.latest()
+                dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
+                         "fp32": torch.float32}[group.spec.compute_dtype]
+                held = models.get(dtype)
+                if held is None or held[0] != version:
+                    model = held[1] if held else copy.deepcopy(self._base).to(dtype).eval()
+                    model.load_state_dict({n: w.to(dtype) for n, w in weights.items()})
+                    models[dtype] = (version, model)
+                model = models[dtype][1]
+                t0 = time.perf_counter()
+                cfg = self.cfg
+                top = cfg.samples_top_p
+                eps = run_episodes(
+                    model, self.tokenizer, [task_of(u, cfg.seed)] * cfg.samples_per_prompt, group,
+                    version=version, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                    top_p=cfg.top_p if top else 1.0, top_k=cfg.top_p_max_tokens if top else 0,
+                    top_k_candidates=cfg.candidates, seed=_unit_seed(u, cfg.seed))
+                dt = time.perf_counter() - t0
+                with self._cond:
+                    self.busy_seconds += dt
+                self.results.put(Unit(index=u, group=group.name, version=version, episodes=eps,
+                                      seconds=dt))
+        except BaseException as exc:  # handed to the trainer thread, which raises it
+            self.results.put(_Failure(exc))
+
+    def take(self) -> Unit:
+        item = self.results.get()
+        if isinstance(item, _Failure):
+            raise item.exc
+        return item
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.notify()
+        for th in self._threads:
+            th.join(timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints and the run directory
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory (renamed into place only when whole)."""
+    root = Path(out) / "checkpoints"
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and (p / "state.pt").exists())
+    return done[-1] if done else None
+
+
+def save_checkpoint(out: Path, step: int, trainer: Trainer, next_unit: int,
+                    cfg: TrainConfig) -> Path:
+    root = Path(out) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".step-{step:06d}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save({"step": step, "next_unit": next_unit, "config": asdict(cfg),
+                "master": trainer.master.state_dict(), "optimizer": trainer.opt.state_dict()},
+               tmp / "state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-_CHECKPOINTS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The complete records of a metrics.jsonl (a torn last line — a kill mid-write — dropped)."""
+    out = []
+    path = Path(path)
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return out
+
+
+def _cut_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the records with step <= `step`, rewritten atomically; return them."""
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    if path.exists():
+        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+def _check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
+    changed = [f.name for f in fields(TrainConfig) if f.name not in TrainConfig.RESUMABLE
+               and saved.get(f.name) != getattr(cfg, f.name)]
+    if changed:
+        name = changed[0]
+        raise ValueError(f"the run was started with {name.replace('_', '-')}="
+                         f"{saved.get(name)!r}, not {getattr(cfg, name)!r}; resume with the "
+                         f"same settings or use another --out")
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+@dataclass
+class RunResult:
+    out: Path
+    steps_done: int
+    stopped: str | None = None
+    """Why the run stopped early (a critical alert), or None."""
+    resumed_from: int | None = None
+    discarded_units: int = 0
+    alerts: list = field(default_factory=list)
+    evaluation: dict[str, Any] = field(default_factory=dict)
+    """{"base": …, "final": …} mean reward on the held-out tasks (when eval_tasks > 0)."""
+
+
+def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig) -> dict[str, Any]:
+    """Mean reward and end reasons of the policy on `cfg.eval_tasks` held-out tasks, each played
+    `cfg.eval_samples` times at temperature 1 under the trainer's numerics (B200 BF16, BF16 KV
+    cache: the `homogeneous` group)."""
+    from mismatch.zoo.tasks import generate_tasks
+
+    group = fleet("homogeneous")[0]
+    model = model.to(torch.bfloat16).eval()
+    eps: list[Trajectory] = []
+    with torch.no_grad():
+        for i, task in enumerate(generate_tasks("heldout", cfg.eval_tasks)):
+            eps += run_episodes(model, tokenizer, [task] * cfg.eval_samples, group, version=-1,
+                                max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                                top_k_candidates=1, seed=_unit_seed(i, cfg.seed + 1))
+    ends = Counter(ep.end_reason for ep in eps)
+    return {"reward": sum(ep.reward for ep in eps) / len(eps), "episodes": len(eps),
+            "format_error_rate": ends.get("format_errors", 0) / len(eps),
+            "end_reasons": dict(sorted(ends.items()))}
+
+
+def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | None = None,
+        model=None, tokenizer=None, progress: Callable[[dict], None] | None = None,
+        log_alerts: bool = True, monitor_config=None) -> RunResult:
+    """Train `cfg.steps` steps into `out` (see the module docstring). `stop_on`: end the run,
+    with a checkpoint, on the first alert of that severity or worse. `monitor_config`: the
+    collapse monitor's rules (probes.monitor.MonitorConfig; its defaults otherwise)."""
+    from probes.monitor import CollapseMonitor
+    from probes.sinks import JsonlSink, TerminalSink
+
+    if stop_on not in (None, "warning", "critical"):
+        raise ValueError(f"stop-on must be warning or critical, got {stop_on!r}")
+    out = Path(out)
+    metrics_path, alerts_path = out / "metrics.jsonl", out / "alerts.jsonl"
+    ckpt = latest_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        raise ValueError(f"{out} has no checkpoint to resume from; start it without --resume")
+    if not resume and (metrics_path.exists() or (out / "checkpoints").exists()):
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose "
+                         "another --out")
+    torch.set_num_threads(cfg.threads)
+    if model is None or tokenizer is None:
+        from mismatch.zoo import load_model, load_tokenizer
+
+        model = model or load_model(dtype="bfloat16")
+        tokenizer = tokenizer or load_tokenizer()
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(model, cfg)
+    step, next_unit, discarded = 0, 0, 0
+    history: list[dict[str, Any]] = []
+    if ckpt is not None:
+        try:
+            state = torch.load(ckpt / "state.pt", weights_only=False)
+        except Exception as exc:  # a checkpoint that cannot be read is bad input, not a bug
+            raise ValueError(f"checkpoint {ckpt} is unreadable ({type(exc).__name__}); delete "
+                             "it to resume from the one before") from exc
+        _check_resume(cfg, state["config"])
+        trainer.master.load_state_dict(state["master"])
+        trainer.opt.load_state_dict(state["optimizer"])
+        trainer._sync_compute()
+        step, next_unit = int(state["step"]), int(state["next_unit"])
+        before = read_metrics(metrics_path)
+        claimed = max((r.get("units_claimed", 0) for r in before), default=next_unit)
+        discarded = max(0, claimed - next_unit)
+        history = _cut_jsonl(metrics_path, step)
+        _cut_jsonl(alerts_path, step)
+        log.warning("resuming %s at step %d: %d later step(s) of the log dropped; %d unit(s) "
+                    "(%d episodes) claimed after the checkpoint are discarded and regenerated",
+                    out, step, len(before) - len(history), discarded,
+                    discarded * cfg.samples_per_prompt)
+    _write_atomic(out / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
+
+    eval_path = out / "eval.json"
+    evaluation = json.loads(eval_path.read_text()) if eval_path.exists() else {}
+    if cfg.eval_tasks and "base" not in evaluation:
+        log.info("evaluating the base policy on %d held-out tasks × %d", cfg.eval_tasks,
+                 cfg.eval_samples)
+        evaluation = {"tasks": cfg.eval_tasks, "samples": cfg.eval_samples,
+                      "base": evaluate(copy.deepcopy(trainer.compute), tokenizer, cfg)}
+        _write_atomic(eval_path, json.dumps(evaluation, indent=2) + "\n")
+
+    groups = fleet(cfg.fleet)
+    monitor = CollapseMonitor(monitor_config)
+    for rec in history:  # rebuild baselines and debouncing state from the kept log
+        monitor.update(rec)
+    monitor.sinks = [JsonlSink(alerts_path)] + ([TerminalSink()] if log_alerts else [])
+    publisher = Publisher(step, trainer.published())
+    pipe = Pipeline(cfg, groups, model, tokenizer, publisher, next_unit)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    result = RunResult(out=out, steps_done=step, resumed_from=step if ckpt else None,
+                       discarded_units=discarded)
+    consumed_max = next_unit - 1
+    consumed_total = next_unit
+    pipe.start()
+    try:
+        with open(metrics_path, "a") as mfile:
+            last_ckpt = step
+            while step < cfg.steps:
+                t0 = time.perf_counter()
+                units: list[Unit] = []
+                stale_dropped = 0
+                while len(units) < cfg.prompts_per_step:
+                    unit = pipe.take()
+                    bound = cfg.staleness_bound
+                    if bound is not None and step - unit.version > bound:
+                        stale_dropped += 1
+                        continue
+                    units.append(unit)
+                waited = time.perf_counter() - t0
+                units.sort(key=lambda x: x.index)
+                t1 = time.perf_counter()
+                batch = build_batch(units, step, pad_id)
+                m = trainer.step(batch)
+                step += 1
+                publisher.publish(step, trainer.published())
+                consumed_total += len(units)
+                consumed_max = max([consumed_max] + [u.index for u in units])
+                pipe.notify(consumed=consumed_total)
+                train_s = time.perf_counter() - t1
+                wall = time.perf_counter() - t0
+                rec = _record(step, units, batch, m, waited=waited, train_s=train_s, wall=wall,
+                              stale_dropped=stale_dropped, claimed=pipe.cursor)
+                if step == (result.resumed_from or 0) + 1 and result.resumed_from is not None:
+                    rec["resumed_discarded_units"] = discarded
+                mfile.write(json.dumps(rec) + "\n")
+                mfile.flush()
+                alerts = monitor.update(rec)  # also written to the alert file and the log
+                result.alerts.extend(alerts)
+                if progress:
+                    progress(rec)
+                stop_now = stop_on is not None and any(
+                    a.severity == "critical" or stop_on == "warning" for a in alerts)
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop_now:
+                    save_checkpoint(out, step, trainer, consumed_max + 1, cfg)
+                    last_ckpt = step
+                if stop_now:
+                    worst = max(alerts, key=lambda a: a.severity == "critical")
+                    result.stopped = (f"{worst.severity} alert on {worst.signal} at step "
+                                      f"{worst.step}")
+                    break
+            if last_ckpt != step:
+                save_checkpoint(out, step, trainer, consumed_max + 1, cfg)
+    finally:
+        pipe.stop()
+        monitor.close()
+    result.steps_done = step
+    if cfg.eval_tasks:
+        log.info("evaluating the trained policy (step %d)", step)
+        evaluation["final"] = dict(evaluate(copy.deepcopy(trainer.compute), tokenizer, cfg),
+                                   step=step)
+        _write_atomic(eval_path, json.dumps(evaluation, indent=2) + "\n")
+    result.evaluation = evaluation
+    _save_final(out, trainer, tokenizer)
+    return result
+
+
+def _record(step: int, units: list[Unit], batch: Batch, m: dict[str, Any], *, waited: float,
+            train_s: float, wall: float, stale_dropped: int, claimed: int) -> dict[str, Any]:
+    eps = [ep for u in units for ep in u.episodes]
+    ends = Counter(ep.end_reason for ep in eps)
+    sampled = int(batch.mask.sum())
+    st = batch.staleness[batch.mask]
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for ep, g in zip(eps, batch.groups):
+        by_group[g].append(ep.reward)
+    rec = {
+        "step": step,
+        "reward": sum(ep.reward for ep in eps) / len(eps),
+        "kl": m["kl"], "kl_k1": m["kl_k1"],
+        "format_error_rate": ends.get("format_errors", 0) / len(eps),
+        "mis_masked_fraction": m["mis_masked_fraction"],
+        "sc_tail_ratio": m["sc_tail_ratio"],
+        "entropy": m["entropy"],
+        "grad_norm": m["grad_norm"],
+        "staleness_mean": float(st.mean()) if st.numel() else 0.0,
+        "staleness_max": int(st.max()) if st.numel() else 0,
+        "tokens_per_s": sampled / wall if wall > 0 else None,
+        "response_length": sampled / len(eps),
+        "group_kl": m["group_kl"],
+        "group_reward": {g: sum(v) / len(v) for g, v in sorted(by_group.items())},
+        "end_reasons": dict(sorted(ends.items())),
+        "loss": m["loss"],
+        "ratio_p05": m["ratio_p05"], "ratio_p50": m["ratio_p50"], "ratio_p95": m["ratio_p95"],
+        "episodes": len(eps), "sampled_tokens": sampled,
+        "units": [u.index for u in units], "units_claimed": claimed,
+        "stale_units_dropped": stale_dropped,
+        "step_seconds": wall, "trainer_wait_seconds": waited, "train_seconds": train_s,
+        "trainer_idle_share": waited / wall if wall > 0 else None,
+    }
+    for key in ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer"):
+        if key in m:
+            rec[key] = m[key]
+    if m.get("skipped_nonfinite"):
+        rec["skipped_nonfinite_grad"] = True
+    return rec
+
+
+def _save_final(out: Path, trainer: Trainer, tokenizer) -> None:
+    from mismatch.report import atomic_directory
+
+    with atomic_directory(Path(out) / "final") as tmp:
+        trainer.compute.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
