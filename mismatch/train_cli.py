@@ -53,7 +53,7 @@ def train_command(
     from mismatch.cli import fail, quiet_libraries
 
     quiet_libraries()
-    from train.trainer import EXIT_STOPPED, preset_config, run
+    from train.trainer import EXIT_STOPPED, check_out, preset_config, run
 
     try:
         cfg = preset_config(preset, correction=correction, steps=steps, lr=lr,
@@ -61,6 +61,9 @@ def train_command(
                             max_staleness=max_staleness, sync=sync or None, workers=workers,
                             threads=threads, checkpoint_every=checkpoint_every,
                             eval_tasks=eval_tasks, seed=seed)
+        check_out(out, resume, cfg)
+        if stop_on not in (None, "warning", "critical"):
+            raise ValueError(f"--stop-on must be warning or critical, got {stop_on!r}")
     except ValueError as exc:
         fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -88,20 +91,29 @@ def train_command(
 
 
 def _with_step_bar(fn, total: int, *, quiet: bool):
+    """fn(progress) with a step bar on stderr, opened at the first step (so that an error before
+    it — a bad checkpoint, say — stays one line)."""
     if quiet:
         return fn(None)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=Console(stderr=True)) as bar:
-        task = bar.add_task("training", total=total)
+    bar = Progress("[progress.description]{task.description}", BarColumn(),
+                   MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True))
+    task = None
 
-        def progress(rec: dict) -> None:
-            bar.update(task, completed=rec["step"], description=(
-                f"reward {rec['reward']:.2f} kl {rec['kl']:.1e} stale {rec['staleness_mean']:.1f}"))
+    def progress(rec: dict) -> None:
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task("training", total=total)
+        bar.update(task, completed=rec["step"], description=(
+            f"reward {rec['reward']:.2f} kl {rec['kl']:.1e} stale {rec['staleness_mean']:.1f}"))
 
+    try:
         return fn(progress)
+    finally:
+        bar.stop()
 
 
 def report_command(

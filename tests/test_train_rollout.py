@@ -142,3 +142,39 @@ def test_rejects_wrong_dtype(tok, tasks):
     fp32 = load_model(dtype="float32")
     with pytest.raises(ValueError, match="computes in bf16"):
         run_episodes(fp32, tok, tasks[:1], BF16, version=0)
+
+
+def test_full_distribution_support_covers_every_candidate(bf16_runs):
+    for traj in bf16_runs:
+        assert len(traj.candidate_support) == len(traj.candidate_ids)
+        assert all(all(flags) for flags in traj.candidate_support)
+
+
+def test_top_p_support_is_the_nucleus_and_holds_the_sampled_token(model, tok, tasks):
+    runs = run_episodes(model, tok, tasks[:2], BF16, version=0, max_new_tokens=24,
+                        top_p=0.97, top_k=64, top_k_candidates=128, seed=11)
+    for traj in runs:
+        for pos, ids, lps, flags in zip(traj.sampled_positions, traj.candidate_ids,
+                                        traj.candidate_logprobs, traj.candidate_support):
+            n = sum(flags)
+            assert 1 <= n <= 64
+            assert flags == [True] * n + [False] * (len(flags) - n)  # a prefix of the ranking
+            assert traj.token_ids[pos] in ids[:n]  # the sampled token lies in its nucleus
+            # top-k first, then top-p over the renormalized top 64 (float64 check): the mass
+            # before the last kept token is < p and the kept mass reaches p
+            probs = torch.tensor(lps[:64], dtype=torch.float64).exp()
+            probs = probs / probs.sum()
+            assert probs[:n - 1].sum() < 0.97 + 1e-5
+            assert probs[:n].sum() >= 0.97 - 1e-5
+
+
+def test_routed_experts_cover_every_sampled_position(bf16_runs, model):
+    layers = model.config.num_hidden_layers
+    k = model.config.num_experts_per_tok
+    for traj in bf16_runs:
+        e = traj.routed_experts
+        assert e is not None and tuple(e.shape) == (len(traj.token_ids), layers, k)
+        # the last sampled token is never fed back, so it has no routing; every other is routed
+        last = traj.sampled_positions[-1]
+        assert (e[:last] >= 0).all() and (e[:last] < model.config.num_experts).all()
+        assert (e[last + 1:] == -1).all() or last + 1 == len(traj.token_ids)

@@ -548,6 +548,25 @@ def _check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
 # the run
 
 
+def check_out(out: Path, resume: bool, cfg: TrainConfig | None = None) -> Path | None:
+    """Validate a run directory for a new run or a resume (of the same `cfg`); returns the
+    checkpoint to resume."""
+    out = Path(out)
+    ckpt = latest_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        raise ValueError(f"{out} has no checkpoint to resume from; start it without --resume")
+    saved = out / "config.json"
+    if resume and cfg is not None and saved.exists():
+        try:
+            _check_resume(cfg, json.loads(saved.read_text()))
+        except json.JSONDecodeError:
+            pass  # the checkpoint's own copy of the config is checked when it is loaded
+    if not resume and ((out / "metrics.jsonl").exists() or (out / "checkpoints").exists()):
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose "
+                         "another --out")
+    return ckpt
+
+
 @dataclass
 class RunResult:
     out: Path
@@ -594,12 +613,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
         raise ValueError(f"stop-on must be warning or critical, got {stop_on!r}")
     out = Path(out)
     metrics_path, alerts_path = out / "metrics.jsonl", out / "alerts.jsonl"
-    ckpt = latest_checkpoint(out) if resume else None
-    if resume and ckpt is None:
-        raise ValueError(f"{out} has no checkpoint to resume from; start it without --resume")
-    if not resume and (metrics_path.exists() or (out / "checkpoints").exists()):
-        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose "
-                         "another --out")
+    ckpt = check_out(out, resume, cfg)
     torch.set_num_threads(cfg.threads)
     if model is None or tokenizer is None:
         from mismatch.zoo import load_model, load_tokenizer
@@ -743,7 +757,7 @@ def _record(step: int, units: list[Unit], batch: Batch, m: dict[str, Any], *, wa
         "end_reasons": dict(sorted(ends.items())),
         "loss": m["loss"],
         "ratio_p05": m["ratio_p05"], "ratio_p50": m["ratio_p50"], "ratio_p95": m["ratio_p95"],
-        "episodes": len(eps), "sampled_tokens": sampled,
+        "n_episodes": len(eps), "sampled_tokens": sampled,
         "units": [u.index for u in units], "units_claimed": claimed,
         "stale_units_dropped": stale_dropped,
         "step_seconds": wall, "trainer_wait_seconds": waited, "train_seconds": train_s,
