@@ -61,6 +61,9 @@ def test_metrics_log_has_every_required_field_once_per_step(async_run):
         assert set(r["group_kl"]) == set(r["group_reward"])
         assert 0 <= r["format_error_rate"] <= 1 and r["tokens_per_s"] > 0
         assert r["units_claimed"] >= cfg.prompts_per_step * r["step"]
+        # every consumed token's staleness, as counts per lag
+        assert sum(r["staleness_tokens"].values()) == r["sampled_tokens"]
+        assert max(int(k) for k in r["staleness_tokens"]) == r["staleness_max"]
     assert (out / "final" / "config.json").exists() and (out / "config.json").exists()
     assert latest_checkpoint(out).name == f"step-{cfg.steps:06d}"
 

@@ -750,6 +750,8 @@ def _record(step: int, units: list[Unit], batch: Batch, m: dict[str, Any], *, wa
         "grad_norm": m["grad_norm"],
         "staleness_mean": float(st.mean()) if st.numel() else 0.0,
         "staleness_max": int(st.max()) if st.numel() else 0,
+        "staleness_tokens": {str(int(k)): int(v) for k, v in
+                             zip(*torch.unique(st, return_counts=True))},
         "tokens_per_s": sampled / wall if wall > 0 else None,
         "response_length": sampled / len(eps),
         "group_kl": m["group_kl"],
