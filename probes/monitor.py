@@ -452,7 +452,10 @@ def _message(signal: str, t: _Track, steps: int, partners: Sequence[str]) -> str
     else:
         text = f"{signal} {x:.4g} is {score:.1f}x its baseline {ref:.4g} {lasting}"
     if partners:
-        text += f", with {' and '.join(partners)} up too: the collapse signature"
+        moved = {"reward": "reward falling", "kl": "kl growing",
+                 "format_error_rate": "format errors rising"}
+        text += (f", with {' and '.join(moved.get(p, p) for p in partners)} too: the collapse "
+                 "signature")
     return f"{text}; {rule.hint}" if rule.hint else text
 
 
