@@ -36,6 +36,8 @@ def train_command(
                                           "GRPO group (8)."),
     max_staleness: Optional[int] = typer.Option(None, "--max-staleness", help="Bound on a "
                                                 "token's staleness in steps (unbounded)."),
+    staleness: Optional[int] = typer.Option(None, "--staleness", help="Force the lag: step s "
+                                            "trains on episodes of version max(0, s-K)."),
     sync: bool = typer.Option(False, "--sync", help="Synchronous: sample with version s, then "
                               "train step s."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Sampler worker threads (1)."),
@@ -58,7 +60,8 @@ def train_command(
     try:
         cfg = preset_config(preset, correction=correction, steps=steps, lr=lr,
                             prompts_per_step=prompts, samples_per_prompt=samples,
-                            max_staleness=max_staleness, sync=sync or None, workers=workers,
+                            max_staleness=max_staleness, staleness=staleness,
+                            sync=sync or None, workers=workers,
                             threads=threads, checkpoint_every=checkpoint_every,
                             eval_tasks=eval_tasks, seed=seed)
         check_out(out, resume, cfg)

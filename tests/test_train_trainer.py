@@ -102,6 +102,15 @@ def test_sync_mode_is_on_policy(tmp_path, model, tok):
     assert [r["units"] for r in recs] == [[0, 1], [2, 3], [4, 5]]
 
 
+def test_forced_staleness_is_exact(tmp_path, model, tok):
+    cfg = preset_config("smoke", staleness=2, **dict(SMALL, steps=4))
+    run(cfg, tmp_path / "f", model=model, tokenizer=tok, log_alerts=False)
+    recs = read_metrics(tmp_path / "f" / "metrics.jsonl")
+    # step s (0-based) trains on version max(0, s − 2): every token of it has that lag
+    assert [list(r["staleness_tokens"]) for r in recs] == [["0"], ["1"], ["2"], ["2"]]
+    assert [r["units"] for r in recs] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
 def test_bounded_staleness_is_respected(tmp_path, model, tok):
     cfg = preset_config("smoke", max_staleness=1, workers=2, **SMALL)
     run(cfg, tmp_path / "b", model=model, tokenizer=tok, log_alerts=False)
@@ -115,6 +124,13 @@ def test_publisher_is_monotonic():
     assert pub.latest()[0] == 1
     with pytest.raises(RuntimeError, match="monotonic"):
         pub.publish(1, {})
+    lagged = Publisher(0, {"v": torch.zeros(1)}, keep=2)
+    for v in range(1, 5):
+        lagged.publish(v, {"v": torch.full((1,), float(v))})
+        want = max(0, v - 2)
+        got, weights = lagged.latest(2)
+        assert got == want and weights["v"].item() == want
+    assert sorted(lagged.older()) == [2, 3]  # what a checkpoint saves to resume the lag
 
 
 def test_batch_places_candidates_and_advantages(async_run, model, tok):
@@ -175,10 +191,11 @@ def _kill_mid_run(args: list[str], out: Path, after_step: int) -> None:
         proc.wait()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "stale", "async"])
 def test_kill_9_and_resume(tmp_path, mode):
+    extra = {"sync": ["--sync"], "stale": ["--staleness", "2"], "async": []}[mode]
     args = ["train", "--preset", "smoke", "--steps", "5", "--checkpoint-every", "2", "--quiet",
-            "--eval-tasks", "0"] + (["--sync"] if mode == "sync" else [])
+            "--eval-tasks", "0"] + extra
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     _kill_mid_run(args + ["--out", str(killed)], killed, after_step=3)
     assert read_metrics(killed / "metrics.jsonl")[-1]["step"] >= 3
@@ -190,7 +207,7 @@ def test_kill_9_and_resume(tmp_path, mode):
     state = torch.load(latest_checkpoint(killed) / "state.pt", weights_only=False)
     assert state["step"] == 5
     assert state["optimizer"]["state"][0]["step"].item() == 5  # AdamW's own step count
-    if mode == "sync":  # deterministic: the resumed run equals an uninterrupted one exactly
+    if mode != "async":  # deterministic: the resumed run equals an uninterrupted one exactly
         assert _cli(args + ["--out", str(whole)]).returncode == 0
         a, b = _master(killed), _master(whole)
         assert all(torch.equal(a[k], b[k]) for k in a)
@@ -242,4 +259,6 @@ def test_config_checks():
     with pytest.raises(ValueError, match="unknown fleet"):
         TrainConfig(fleet="tpu")
     assert TrainConfig(sync=True).staleness_bound == 0
+    with pytest.raises(ValueError, match="cannot be combined"):
+        TrainConfig(staleness=2, sync=True)
     assert json.loads(json.dumps(preset_config("mixed").__dict__))["fleet"] == "mixed"

@@ -20,7 +20,9 @@ Asynchrony (`run`):
   `max_staleness` = s: a unit is claimed only while claimed < (version + 1 + s)·prompts_per_step
   (the gate of an AReaL-style bounded-staleness pipeline), and a unit staler than s when it is
   consumed is discarded and counted. `sync` = staleness 0: exactly one step of units per version,
-  sampled, then trained on, with the workers idle while the trainer steps.
+  sampled, then trained on, with the workers idle while the trainer steps. `staleness` = K forces
+  the lag exactly: one step of units per version as in sync, sampled with the weights of K
+  versions before (the publisher holds them; checkpoints save them, so a resume keeps the lag).
 
 Run directory (`out`):
 
@@ -108,6 +110,9 @@ class TrainConfig:
     """Bound on a token's staleness in optimizer steps (None: unbounded)."""
     sync: bool = False
     """Synchronous mode: sample with version s, then train step s (staleness 0)."""
+    staleness: int | None = None
+    """Forced staleness K: step s trains on episodes sampled with version max(0, s − K), one
+    step of units at a time (exact, reproducible; None: the pipeline's natural staleness)."""
     workers: int = 1
     """Sampler worker threads."""
     queue_steps: int = 2
@@ -147,10 +152,28 @@ class TrainConfig:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max-staleness must be >= 0, got {self.max_staleness}")
+        if self.staleness is not None:
+            if self.staleness < 0:
+                raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+            if self.sync or self.max_staleness is not None:
+                raise ValueError("--staleness forces the lag; it cannot be combined with --sync "
+                                 "or --max-staleness")
 
     @property
     def staleness_bound(self) -> int | None:
+        if self.staleness is not None:
+            return self.staleness
         return 0 if self.sync else self.max_staleness
+
+    @property
+    def lag(self) -> int:
+        """Versions the samplers stay behind the newest (forced staleness; 0 otherwise)."""
+        return self.staleness or 0
+
+    @property
+    def lockstep(self) -> bool:
+        """One step of units per version (sync and forced staleness)."""
+        return self.sync or self.staleness is not None
 
     @property
     def samples_top_p(self) -> bool:
@@ -356,11 +379,16 @@ def _tail_ratio(cand_logp, cand_sampler_logp, valid) -> float:
 
 
 class Publisher:
-    """The newest published weights and their monotonic version."""
+    """The newest published weights and their monotonic version; with `keep` > 0 it also holds
+    the `keep` versions before it (what samplers K versions behind load)."""
 
-    def __init__(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, version: int, weights: dict[str, torch.Tensor], keep: int = 0,
+                 history: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
         self._lock = threading.Lock()
+        self.keep = keep
         self.version, self.weights = version, weights
+        self.history: dict[int, dict[str, torch.Tensor]] = dict(history or {})
+        self.history[version] = weights
 
     def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         with self._lock:
@@ -368,10 +396,23 @@ class Publisher:
                 raise RuntimeError(f"publication must be monotonic: {version} after "
                                    f"{self.version}")
             self.version, self.weights = version, weights
+            self.history[version] = weights
+            for v in [v for v in self.history if v < version - self.keep]:
+                del self.history[v]
 
-    def latest(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def latest(self, lag: int = 0) -> tuple[int, dict[str, torch.Tensor]]:
+        """The newest version, or the one `lag` versions before it (the oldest held if the run
+        is younger than `lag`)."""
         with self._lock:
-            return self.version, self.weights
+            if lag == 0:
+                return self.version, self.weights
+            v = max(self.version - lag, min(self.history))
+            return v, self.history[v]
+
+    def older(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The held versions before the newest (saved in checkpoints to resume a lag)."""
+        with self._lock:
+            return {v: w for v, w in self.history.items() if v != self.version}
 
 
 class _Failure:
@@ -406,6 +447,8 @@ class Pipeline:
 
     def _may_claim(self) -> bool:
         p, bound = self.cfg.prompts_per_step, self.cfg.staleness_bound
+        if self.cfg.lockstep:
+            return self.cursor < (self.publisher.version + 1) * p
         if bound is not None:
             return self.cursor < (self.publisher.version + 1 + bound) * p
         return self.cursor < self.consumed + self.cfg.queue_steps * p
@@ -436,7 +479,7 @@ class Pipeline:
                 if claim is None:
                     return
                 u, group = claim
-                version, weights = self.publisher.latest()
+                version, weights = self.publisher.latest(self.cfg.lag)
                 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
                          "fp32": torch.float32}[group.spec.compute_dtype]
                 held = models.get(dtype)
@@ -492,7 +535,8 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 def save_checkpoint(out: Path, step: int, trainer: Trainer, next_unit: int,
-                    cfg: TrainConfig) -> Path:
+                    cfg: TrainConfig, older: dict[int, dict[str, torch.Tensor]] | None = None
+                    ) -> Path:
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -500,7 +544,8 @@ def save_checkpoint(out: Path, step: int, trainer: Trainer, next_unit: int,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     torch.save({"step": step, "next_unit": next_unit, "config": asdict(cfg),
-                "master": trainer.master.state_dict(), "optimizer": trainer.opt.state_dict()},
+                "master": trainer.master.state_dict(), "optimizer": trainer.opt.state_dict(),
+                "older_versions": older or {}},
                tmp / "state.pt")
     if final.exists():
         shutil.rmtree(final)
@@ -660,7 +705,8 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
     for rec in history:  # rebuild baselines and debouncing state from the kept log
         monitor.update(rec)
     monitor.sinks = [JsonlSink(alerts_path)] + ([TerminalSink()] if log_alerts else [])
-    publisher = Publisher(step, trainer.published())
+    publisher = Publisher(step, trainer.published(), keep=cfg.lag,
+                          history=state.get("older_versions") if ckpt is not None else None)
     pipe = Pipeline(cfg, groups, model, tokenizer, publisher, next_unit)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     result = RunResult(out=out, steps_done=step, resumed_from=step if ckpt else None,
@@ -707,7 +753,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
                 stop_now = stop_on is not None and any(
                     a.severity == "critical" or stop_on == "warning" for a in alerts)
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop_now:
-                    save_checkpoint(out, step, trainer, consumed_max + 1, cfg)
+                    save_checkpoint(out, step, trainer, consumed_max + 1, cfg, publisher.older())
                     last_ckpt = step
                 if stop_now:
                     worst = max(alerts, key=lambda a: a.severity == "critical")
@@ -715,7 +761,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
                                       f"{worst.step}")
                     break
             if last_ckpt != step:
-                save_checkpoint(out, step, trainer, consumed_max + 1, cfg)
+                save_checkpoint(out, step, trainer, consumed_max + 1, cfg, publisher.older())
     finally:
         pipe.stop()
         monitor.close()
