@@ -625,10 +625,13 @@ class RunResult:
     """{"base": …, "final": …} mean reward on the held-out tasks (when eval_tasks > 0)."""
 
 
-def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig) -> dict[str, Any]:
+def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
+             top_p: bool | None = None) -> dict[str, Any]:
     """Mean reward and end reasons of the policy on `cfg.eval_tasks` held-out tasks, each played
     `cfg.eval_samples` times at temperature 1 under the trainer's numerics (B200 BF16, BF16 KV
-    cache: the `homogeneous` group)."""
+    cache: the `homogeneous` group), sampled as the arm's samplers sample (the top-p nucleus for
+    top-p arms, whose loss never sees the tail) unless `top_p` says otherwise."""
+    top = cfg.samples_top_p if top_p is None else top_p
     from mismatch.zoo.tasks import generate_tasks
 
     group = fleet("homogeneous")[0]
@@ -638,9 +641,12 @@ def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig) -> dict[str, A
         for i, task in enumerate(generate_tasks("heldout", cfg.eval_tasks)):
             eps += run_episodes(model, tokenizer, [task] * cfg.eval_samples, group, version=-1,
                                 max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                                top_p=cfg.top_p if top else 1.0,
+                                top_k=cfg.top_p_max_tokens if top else 0,
                                 top_k_candidates=1, seed=_unit_seed(i, cfg.seed + 1))
     ends = Counter(ep.end_reason for ep in eps)
     return {"reward": sum(ep.reward for ep in eps) / len(eps), "episodes": len(eps),
+            "sampling": f"top-p {cfg.top_p}, top-k {cfg.top_p_max_tokens}" if top else "full",
             "format_error_rate": ends.get("format_errors", 0) / len(eps),
             "end_reasons": dict(sorted(ends.items()))}
 
