@@ -48,6 +48,8 @@ def train_command(
                                              "evaluated before and after (64; smoke 0)."),
     stop_on: Optional[str] = typer.Option(None, "--stop-on", help="End the run, with a "
                                           "checkpoint, on an alert: warning | critical."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="Task mix: zoo, or kinds in turn "
+                                        "(arith, word, table, two_step), e.g. arith,table."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Router, task order, sampling."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -63,7 +65,7 @@ def train_command(
                             max_staleness=max_staleness, staleness=staleness,
                             sync=sync or None, workers=workers,
                             threads=threads, checkpoint_every=checkpoint_every,
-                            eval_tasks=eval_tasks, seed=seed)
+                            eval_tasks=eval_tasks, tasks=tasks, seed=seed)
         check_out(out, resume, cfg)
         if stop_on not in (None, "warning", "critical"):
             raise ValueError(f"--stop-on must be warning or critical, got {stop_on!r}")

@@ -261,4 +261,15 @@ def test_config_checks():
     assert TrainConfig(sync=True).staleness_bound == 0
     with pytest.raises(ValueError, match="cannot be combined"):
         TrainConfig(staleness=2, sync=True)
+    with pytest.raises(ValueError, match="unknown task kind 'chess'"):
+        TrainConfig(tasks="arith,chess")
+
+
+def test_task_mix_takes_kinds_in_turn():
+    from train.trainer import task_of
+
+    kinds = ("arith", "table")
+    assert [task_of(u, 0, kinds).kind for u in range(4)] == ["arith", "table"] * 2
+    assert task_of(5, 0).seed == task_of(5, 0, kinds).seed  # same seeds, kind forced
+    assert {task_of(u, 0).kind for u in range(40)} == {"arith", "word", "table", "two_step"}
     assert json.loads(json.dumps(preset_config("mixed").__dict__))["fleet"] == "mixed"

@@ -123,6 +123,9 @@ class TrainConfig:
     """torch intra-op threads (the process's; every worker and the trainer share them)."""
     seed: int = 0
     """Seeds the router, the tasks' order and every unit's sampling."""
+    tasks: str = "zoo"
+    """Task mix: "zoo" (the embedded model's mix of kinds) or kinds joined by commas, taken in
+    turn (e.g. "arith,table"; mismatch.zoo.tasks.TASK_KINDS)."""
     eval_tasks: int = 0
     """Held-out tasks evaluated before the first and after the last step (0: no evaluation)."""
     eval_samples: int = 4
@@ -134,6 +137,13 @@ class TrainConfig:
                              f"{', '.join(FLEET_PRESETS)}")
         if self.correction not in ARMS:
             raise ValueError(f"unknown correction {self.correction!r}; arms: {', '.join(ARMS)}")
+        if self.tasks != "zoo":
+            from mismatch.zoo.tasks import TASK_KINDS
+
+            unknown = [k for k in self.tasks.split(",") if k not in TASK_KINDS]
+            if unknown or not self.tasks:
+                raise ValueError(f"unknown task kind {unknown[0] if unknown else ''!r} in "
+                                 f"--tasks; use zoo or kinds among {', '.join(TASK_KINDS)}")
         if self.eval_tasks < 0 or self.eval_samples < 1:
             raise ValueError(f"eval-tasks must be >= 0 and eval-samples >= 1, got "
                              f"{self.eval_tasks}, {self.eval_samples}")
@@ -164,6 +174,10 @@ class TrainConfig:
         if self.staleness is not None:
             return self.staleness
         return 0 if self.sync else self.max_staleness
+
+    @property
+    def task_kinds(self) -> tuple[str, ...] | None:
+        return None if self.tasks == "zoo" else tuple(self.tasks.split(","))
 
     @property
     def lag(self) -> int:
@@ -219,11 +233,13 @@ class Unit:
     seconds: float
 
 
-def task_of(index: int, seed: int):
-    """The training task of unit `index` (a fixed, seeded order over the zoo's train split)."""
+def task_of(index: int, seed: int, kinds: tuple[str, ...] | None = None):
+    """The training task of unit `index` (a fixed, seeded order over the zoo's train split;
+    `kinds` taken in turn, or the zoo's mix when None)."""
     from mismatch.zoo.tasks import HELDOUT_SEED_BASE, make_task
 
-    return make_task((seed * 7919 + index) % HELDOUT_SEED_BASE)
+    kind = kinds[index % len(kinds)] if kinds else None
+    return make_task((seed * 7919 + index) % HELDOUT_SEED_BASE, kind)
 
 
 def _unit_seed(index: int, seed: int) -> int:
@@ -492,7 +508,7 @@ class Pipeline:
                 cfg = self.cfg
                 top = cfg.samples_top_p
                 eps = run_episodes(
-                    model, self.tokenizer, [task_of(u, cfg.seed)] * cfg.samples_per_prompt, group,
+                    model, self.tokenizer, [task_of(u, cfg.seed, cfg.task_kinds)] * cfg.samples_per_prompt, group,
                     version=version, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                     top_p=cfg.top_p if top else 1.0, top_k=cfg.top_p_max_tokens if top else 0,
                     top_k_candidates=cfg.candidates, seed=_unit_seed(u, cfg.seed))
@@ -632,13 +648,16 @@ def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
     cache: the `homogeneous` group), sampled as the arm's samplers sample (the top-p nucleus for
     top-p arms, whose loss never sees the tail) unless `top_p` says otherwise."""
     top = cfg.samples_top_p if top_p is None else top_p
-    from mismatch.zoo.tasks import generate_tasks
+    from mismatch.zoo.tasks import make_task, task_seeds
 
+    kinds = cfg.task_kinds
+    tasks = [make_task(seed, kinds[i % len(kinds)] if kinds else None)
+             for i, seed in enumerate(task_seeds("heldout", cfg.eval_tasks))]
     group = fleet("homogeneous")[0]
     model = model.to(torch.bfloat16).eval()
     eps: list[Trajectory] = []
     with torch.no_grad():
-        for i, task in enumerate(generate_tasks("heldout", cfg.eval_tasks)):
+        for i, task in enumerate(tasks):
             eps += run_episodes(model, tokenizer, [task] * cfg.eval_samples, group, version=-1,
                                 max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                 top_p=cfg.top_p if top else 1.0,
