@@ -91,6 +91,7 @@ def test_report_draws_curves(async_run, tmp_path):
     text = path.read_text()
     assert "| run |" in text and "curves.png" in text
     assert (tmp_path / "rep" / "curves.png").stat().st_size > 10_000
+    assert (tmp_path / "rep" / "group_kl.png").stat().st_size > 5_000 and "group_kl.png" in text
 
 
 def test_sync_mode_is_on_policy(tmp_path, model, tok):

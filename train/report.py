@@ -2,7 +2,8 @@
 
 Reads each run's metrics.jsonl (torn last line dropped), config.json, eval.json and
 alerts.jsonl; writes report.md plus curves.png (reward, KL, format-error share, MIS-masked
-fraction, SC tail ratio, entropy, staleness, tokens/s against the step) into a fresh directory
+fraction, SC tail ratio, entropy, staleness, tokens/s against the step) and group_kl.png (the KL
+of each sampler group, one panel per run) into a fresh directory
 (written to a temporary sibling, then renamed). Noisy per-step signals are drawn raw (thin) with
 a centered moving average (thick).
 """
@@ -115,6 +116,20 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         fig.suptitle("training curves (emulated sampler fleet; thin: per step, thick: "
                      f"{_SMOOTH}-step moving average)", fontsize=11)
         png = save_figure(fig, tmp / "curves.png")
+        fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.8), squeeze=False,
+                                 sharey=True)
+        for ax, r in zip(axes[0], runs):
+            names = sorted({g for row in r["metrics"] for g in row.get("group_kl", {})})
+            for g in names:
+                xs = [row["step"] for row in r["metrics"] if g in row.get("group_kl", {})]
+                ys = [row["group_kl"][g] for row in r["metrics"] if g in row.get("group_kl", {})]
+                ax.plot(xs, _smooth(ys), lw=1.4, label=g)
+            ax.set_yscale("log")
+            ax.set_title(f"KL per sampler group — {r['label']}", fontsize=9)
+            ax.set_xlabel("optimizer step")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        group_png = save_figure(fig, tmp / "group_kl.png")
         head = ["run", "steps", "reward (first 20 → last 20)", "held-out reward (base → final)",
                 "KL k3 (first 20 → last 20)", "format-error share", "MIS-masked (last 20)",
                 "staleness (mean)", "alerts"]
@@ -122,7 +137,9 @@ def write_report(dirs: list[Path], out: Path) -> Path:
                  "CPU); the trainer's are BF16.", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row) + " |" for row in summary_rows(runs)]
-        lines += ["", f"![curves]({png})", ""]
+        lines += ["", f"![curves]({png})", "", "KL per sampler group (emulated numerics, "
+                  f"{_SMOOTH}-step moving average over the steps that group served):", "",
+                  f"![group KL]({group_png})", ""]
         for r in runs:
             if r["alerts"]:
                 lines.append(f"Alerts of {r['label']}:")
