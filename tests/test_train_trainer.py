@@ -274,3 +274,37 @@ def test_task_mix_takes_kinds_in_turn():
     assert task_of(5, 0).seed == task_of(5, 0, kinds).seed  # same seeds, kind forced
     assert {task_of(u, 0).kind for u in range(40)} == {"arith", "word", "table", "two_step"}
     assert json.loads(json.dumps(preset_config("mixed").__dict__))["fleet"] == "mixed"
+
+
+@pytest.mark.parametrize("arm", ["grpo", "sc+mis+topp"])
+def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok, arm):
+    from train.fleet import fleet
+    from train.rollout import run_episodes
+    from train.trainer import Trainer, task_of
+
+    group = fleet("mixed")[5]  # a BF16 group
+    eps = run_episodes(model, tok, [task_of(1, 0, ("arith",))] * 4, group, version=0,
+                       max_turns=2, max_new_tokens=40, top_k_candidates=32, seed=3,
+                       top_p=0.97, top_k=64)
+    for ep, r in zip(eps, (1.0, 0.0, 0.0, 0.0)):
+        ep.reward = r
+    b = build_batch([Unit(index=0, group=group.name, version=0, episodes=eps, seconds=0.0)],
+                    step=0, pad_id=0)
+    trainer = Trainer(model, TrainConfig(correction=arm, lr=1e-4))
+
+    def seq_logp() -> torch.Tensor:
+        with torch.no_grad():
+            logits = trainer.compute(input_ids=b.ids, attention_mask=b.attention).logits
+            lsm = torch.log_softmax(logits.float()[:, :-1], -1)
+            return (lsm.gather(-1, b.ids[:, 1:, None])[..., 0] * b.mask[:, 1:]).sum(-1)
+
+    before = seq_logp()
+    for _ in range(3):
+        m = trainer.step(b)
+    delta = seq_logp() - before
+    assert m["grad_norm"] > 0 and delta[0] > 0 and delta[1:].mean() < 0, delta
+    # the master moved and the published BF16 weights are its cast
+    master = dict(trainer.master.named_parameters())
+    for name, w in trainer.published().items():
+        if name in master:
+            assert torch.equal(w, master[name].detach().to(torch.bfloat16))
