@@ -42,7 +42,8 @@ import torch
 
 from mismatch.metrics import MIS_HIGH, MIS_LOW, kl_estimators
 
-__all__ = ["Arm", "ARMS", "policy_loss", "group_advantages", "renormalize_over_support"]
+__all__ = ["Arm", "ARMS", "policy_loss", "group_advantages", "renormalize_over_support",
+           "sc_tail_ratio"]
 
 _MAX_LOG_RATIO = 20.0  # keeps exp(r) finite for pathological tokens (e^20 ≈ 4.9e8)
 _MIN_TAIL_MASS = 1e-6  # a tail below this is float noise: no tail (α = 0, ρ reported as 0);
@@ -100,6 +101,26 @@ def _log_normalizer(cand_logprobs: torch.Tensor, support: torch.Tensor) -> torch
     x = torch.where(support, cand_logprobs, float("-inf"))
     x = torch.where(has_any, x, torch.zeros_like(x))
     return torch.where(has_any.squeeze(-1), torch.logsumexp(x, dim=-1), float("-inf"))
+
+
+def _tail_ratio(head_mu: torch.Tensor, head_pi: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ρ = (1 − Σ_H μ)/(1 − Σ_H π) per position (0 where μ has no tail), and where it has one."""
+    tail_mu = (1 - head_mu).clamp_min(0)
+    tail_pi = (1 - head_pi).clamp_min(_MIN_TAIL_MASS)
+    has_tail = tail_mu > _MIN_TAIL_MASS
+    return torch.where(has_tail, tail_mu / tail_pi, 0), has_tail
+
+
+def sc_tail_ratio(cand_logp: torch.Tensor, cand_sampler_logp: torch.Tensor,
+                  valid: torch.Tensor) -> float:
+    """Mean ρ over `valid` positions of [B, T, K] candidate log-probs (non-finite sampler
+    entries are padding), as score centering computes it; for arms that do not center."""
+    have = torch.isfinite(cand_sampler_logp) & valid[..., None]
+    mu = torch.where(have, cand_sampler_logp.double().exp(), 0).sum(-1)
+    pi = torch.where(have, cand_logp.double().exp(), 0).sum(-1)
+    rho, _ = _tail_ratio(mu, pi)
+    return float(rho[valid].mean()) if valid.any() else float("nan")
 
 
 def _token_weight(ratio: torch.Tensor, kind: str, low: float, high: float,
@@ -196,10 +217,7 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
         pi = torch.where(cand, clp.detach().double().exp(), 0)               # (B, T, K)
         mu = torch.where(cand, cslp.double().exp(), 0)
         head_mu, head_pi = mu.sum(-1), pi.sum(-1)                            # (B, T)
-        tail_mu = (1 - head_mu).clamp_min(0)
-        tail_pi = (1 - head_pi).clamp_min(_MIN_TAIL_MASS)
-        has_tail = tail_mu > _MIN_TAIL_MASS
-        rho = torch.where(has_tail, tail_mu / tail_pi, 0)
+        rho, has_tail = _tail_ratio(head_mu, head_pi)
         alpha = torch.where(has_tail, rho * weight(1 / torch.where(has_tail, rho, 1)), 0)
         coef = mu * weight(_ratio(clp, cslp)) - alpha.unsqueeze(-1) * pi
         coef = torch.where(cand, coef, 0).to(dt)

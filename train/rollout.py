@@ -25,9 +25,9 @@ from mismatch.profiles import NumericsSpec
 
 from .fleet import SamplerGroup
 
-__all__ = ["Trajectory", "run_episodes"]
+__all__ = ["Trajectory", "run_episodes", "COMPUTE_DTYPES"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TURN_SEED = 1000  # seed stride between turns (one generate call per turn)
 
 
@@ -108,7 +108,7 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
                          f"{max_turns}, {max_new_tokens}, {top_k_candidates}")
     spec = group.spec
     dtype = next(model.parameters()).dtype
-    if dtype != _DTYPES[spec.compute_dtype]:
+    if dtype != COMPUTE_DTYPES[spec.compute_dtype]:
         raise ValueError(f"group {group.name} computes in {spec.compute_dtype}; the model is "
                          f"loaded in {dtype}")
     vocab = model.get_output_embeddings().weight.shape[0]

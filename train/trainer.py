@@ -55,18 +55,18 @@ import shutil
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from mismatch.metrics import MIS_HIGH, MIS_LOW, kl_estimators
+from mismatch.metrics import kl_estimators
 
 from .fleet import PRESETS as FLEET_PRESETS
 from .fleet import Router, SamplerGroup, fleet
-from .loss import ARMS, group_advantages, policy_loss
-from .rollout import Trajectory, run_episodes
+from .loss import ARMS, group_advantages, policy_loss, sc_tail_ratio
+from .rollout import COMPUTE_DTYPES, Trajectory, run_episodes
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "preset_config", "run", "RunResult", "read_metrics",
            "latest_checkpoint"]
@@ -74,7 +74,6 @@ __all__ = ["TrainConfig", "RUN_PRESETS", "preset_config", "run", "RunResult", "r
 log = logging.getLogger("mismatch.train")
 
 _CHECKPOINTS_KEPT = 2
-_TAIL_FLOOR = 1e-6  # as loss._MIN_TAIL_MASS: a tail below this is float noise
 EXIT_STOPPED = 3
 
 
@@ -371,23 +370,11 @@ class Trainer:
                "ratio_p95": float(m["ratio_p95"]), "entropy": ent_mean, "group_kl": per_group,
                "valid_tokens": int(m["valid_tokens"])}
         out["sc_tail_ratio"] = (float(m["sc_tail_ratio"]) if "sc_tail_ratio" in m
-                                else _tail_ratio(cand, batch.cand_sampler_logp, valid))
+                                else sc_tail_ratio(cand, batch.cand_sampler_logp, valid))
         for key in ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer"):
             if key in m:
                 out[key] = float(m[key])
         return out
-
-
-def _tail_ratio(cand_logp, cand_sampler_logp, valid) -> float:
-    """ρ = (1 − Σ_H μ)/(1 − Σ_H π) over the candidates, as score centering computes it
-    (reported for every arm, so that the uncorrected arms show it too)."""
-    have = torch.isfinite(cand_sampler_logp) & valid[..., None]
-    mu = torch.where(have, cand_sampler_logp.double().exp(), 0).sum(-1)
-    pi = torch.where(have, cand_logp.double().exp(), 0).sum(-1)
-    tail_mu = (1 - mu).clamp_min(0)
-    tail_pi = (1 - pi).clamp_min(_TAIL_FLOOR)
-    rho = torch.where(tail_mu > _TAIL_FLOOR, tail_mu / tail_pi, 0)
-    return float(rho[valid].mean()) if valid.any() else float("nan")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,8 +483,7 @@ class Pipeline:
                     return
                 u, group = claim
                 version, weights = self.publisher.latest(self.cfg.lag)
-                dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
-                         "fp32": torch.float32}[group.spec.compute_dtype]
+                dtype = COMPUTE_DTYPES[group.spec.compute_dtype]
                 held = models.get(dtype)
                 if held is None or held[0] != version:
                     model = held[1] if held else copy.deepcopy(self._base).to(dtype).eval()
