@@ -402,10 +402,11 @@ def _register_monitor() -> None:
 
 
 def _register_train() -> None:
-    from mismatch.train_cli import report_command, train_command
+    from mismatch.train_cli import report_command, study_command, train_command
 
     app.command("train")(train_command)
     app.command("report")(report_command)
+    app.command("study")(study_command)
 
 
 _register_zoo()

@@ -9,6 +9,7 @@ without --resume, a config that differs from the run being resumed, an unreadabl
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Optional
 
 import typer
 
-__all__ = ["train_command", "report_command"]
+__all__ = ["train_command", "report_command", "study_command"]
 
 
 def train_command(
@@ -140,3 +141,136 @@ def report_command(
     except ValueError as exc:
         fail(str(exc))
     typer.echo(f"wrote {path}")
+
+
+def _csv(value: str, cast=str) -> tuple:
+    items = tuple(x.strip() for x in value.split(",") if x.strip())
+    try:
+        return tuple(cast(x) for x in items)
+    except ValueError:
+        raise ValueError(f"expected a comma-separated list, got {value!r}") from None
+
+
+def study_command(
+    out: Path = typer.Option(Path("runs/study"), "--out", help="Study directory: one "
+                             "`mismatch train` run per cell, and study.json."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Markdown report; plots go "
+                                          "beside it (default: OUT/study.md)."),
+    preset: str = typer.Option("full", "--preset", help="full (3 fleets x 6 arms x 3 seeds) | "
+                               "ci (two short runs on L2: grpo and sc+mis)."),
+    fleets: Optional[str] = typer.Option(None, "--fleets", help="Comma-separated: L0 "
+                                         "(homogeneous), L1 (precision), L2 (mixed)."),
+    arms: Optional[str] = typer.Option(None, "--arms", help="Comma-separated among grpo, mis, "
+                                       "sc, sc+mis, grpo+topp, sc+mis+topp."),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="Comma-separated seeds (0,1,2)."),
+    staleness: Optional[str] = typer.Option(None, "--staleness", help="Comma-separated forced "
+                                            "staleness values K."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps per run."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="Task kinds (arith)."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts per step."),
+    samples: Optional[int] = typer.Option(None, "--samples", help="Episodes per prompt."),
+    jobs: int = typer.Option(max(1, (os.cpu_count() or 1)), "--jobs", help="Runs at once "
+                             "(one torch thread each; default: the CPU count)."),
+    notes: Optional[Path] = typer.Option(None, "--notes", help="A markdown file appended to "
+                                         "the report (the discussion)."),
+    report_only: bool = typer.Option(False, "--report-only", help="Aggregate the runs in OUT "
+                                     "without running anything."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+) -> None:
+    """Run the study's grid (fleet x staleness x arm x seed) as separate processes, resumably,
+    and aggregate it into a report."""
+    from mismatch.cli import fail, quiet_libraries
+
+    quiet_libraries()
+    from dataclasses import replace
+
+    from train.study import STUDY_PRESETS, StudyConfig, aggregate, run_grid
+
+    try:
+        if preset not in STUDY_PRESETS:
+            raise ValueError(f"unknown study preset {preset!r}; presets: "
+                             f"{', '.join(STUDY_PRESETS)}")
+        if jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {jobs}")
+        if notes is not None and not notes.is_file():
+            raise ValueError(f"--notes {notes}: no such file")
+        cfg = StudyConfig(**STUDY_PRESETS[preset])
+        over = {"fleets": fleets and _csv(fleets), "arms": arms and _csv(arms),
+                "seeds": seeds and _csv(seeds, int),
+                "staleness": staleness and _csv(staleness, int),
+                "steps": steps, "lr": lr, "tasks": tasks, "prompts": prompts, "samples": samples}
+        cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
+        if report_only:
+            cfg = _saved_study(out, cfg, over)
+    except ValueError as exc:
+        fail(str(exc))
+    command = "mismatch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    elapsed = None
+    if not report_only:
+        try:
+            result = _with_grid_display(lambda p: run_grid(cfg, out, jobs=jobs, progress=p),
+                                        quiet=quiet)
+        except ValueError as exc:
+            fail(str(exc))
+        elapsed = result.seconds
+        typer.echo(f"{out}: {len(result.done)} run(s) finished, {len(result.skipped)} already "
+                   f"done, {len(result.resumed)} resumed, {len(result.failed)} failed "
+                   f"({result.seconds / 60:.1f} min)")
+        for name, last in result.failed.items():
+            typer.echo(f"failed: {name}: {last} (log: {out / name / 'train.log'})", err=True)
+    try:
+        path = aggregate(cfg, out, report or out / "study.md", command=command,
+                         elapsed=elapsed, notes=notes.read_text() if notes else None)
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(f"wrote {path}")
+    if not report_only and result.failed:
+        raise typer.Exit(1)
+
+
+def _saved_study(out: Path, cfg, over: dict):
+    """The grid saved in OUT/study.json, with the options given on this command line."""
+    import json
+    from dataclasses import fields, replace
+
+    from train.study import StudyConfig
+
+    meta = out / "study.json"
+    if not meta.exists():
+        raise ValueError(f"{out} holds no study (no study.json); run it first")
+    try:
+        saved = json.loads(meta.read_text())
+        names = {f.name for f in fields(StudyConfig)}
+        cfg = StudyConfig(**{k: tuple(v) if isinstance(v, list) else v
+                             for k, v in saved.items() if k in names})
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"{meta} is unreadable ({exc}); rerun the study") from None
+    return replace(cfg, **{k: v for k, v in over.items() if v is not None})
+
+
+def _with_grid_display(fn, *, quiet: bool):
+    """fn(progress) with a steps bar over the whole grid and the runs in flight."""
+    if quiet:
+        return fn(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    bar = Progress("[progress.description]{task.description}", BarColumn(),
+                   MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True))
+    task = None
+
+    def progress(state: dict) -> None:
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task("study", total=state["total"])
+        running = ", ".join(state["running"]) or "–"
+        bar.update(task, completed=state["steps"], description=(
+            f"runs {state['done']}/{state['runs']} done, {state['failed']} failed; "
+            f"running {running}"))
+
+    try:
+        return fn(progress)
+    finally:
+        bar.stop()

@@ -2,10 +2,13 @@
 serves each episode.
 
 A *group* is a pool of identical samplers: one GPU serving one precision with one KV-cache format,
-hence one `NumericsSpec` (mismatch.profiles.resolve), and a capacity share. Two presets:
+hence one `NumericsSpec` (mismatch.profiles.resolve), and a capacity share.
+Three presets (the study's fleets L0, L1, L2):
 
 - `homogeneous`: one group, B200 serving BF16 with a BF16 KV cache (the trainer's own numerics
   up to the kernels: the control arm).
+- `precision`: one group, B200 serving NVFP4 weights with BF16 activations (W4A16) and an FP8 KV
+  cache (precision on top of the kernels: the study's L1).
 - `mixed`: the study's eight groups (probes.accelerator.fleet_groups, natural_pairs order):
   B200 and B300 NVFP4; H100 and H200 FP8 and BF16; A100 and RTX PRO 6000 BF16; every group with
   an FP8 KV cache. Shares are equal unless `shares` names them (unnamed groups then get 0).
@@ -69,6 +72,16 @@ def _homogeneous(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
     return [SamplerGroup(name=name, spec=resolve("b200", "bf16", "bf16"), share=1.0)]
 
 
+def _precision(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
+    name = "b200-w4a16-nvfp4"
+    for key, value in shares:
+        if key.lower() != name:
+            raise ValueError(f"fleet precision: unknown group {key!r}; groups: {name}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"fleet precision: share of {name} must be finite and > 0")
+    return [SamplerGroup(name=name, spec=resolve("b200", "w4a16-nvfp4", "fp8"), share=1.0)]
+
+
 def _mixed(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
     # imported here: probes pulls in torch, which the homogeneous preset does not need
     from probes.accelerator import fleet_groups
@@ -77,12 +90,12 @@ def _mixed(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
             for g, d, s in fleet_groups(shares)]
 
 
-PRESETS = {"homogeneous": _homogeneous, "mixed": _mixed}
+PRESETS = {"homogeneous": _homogeneous, "precision": _precision, "mixed": _mixed}
 
 
 def fleet(preset: str,
           shares: Mapping[str, float] | Iterable[tuple[str, float]] = ()) -> list[SamplerGroup]:
-    """The groups of `preset` ("homogeneous" or "mixed"), shares normalized to 1.
+    """The groups of `preset` ("homogeneous", "precision" or "mixed"), shares normalized to 1.
 
     `shares`: {group name: weight} or [(name, weight)]; for `mixed`, groups left out get 0."""
     build = PRESETS.get(preset.lower() if isinstance(preset, str) else preset)

@@ -23,6 +23,9 @@ Asynchrony (`run`):
   sampled, then trained on, with the workers idle while the trainer steps. `staleness` = K forces
   the lag exactly: one step of units per version as in sync, sampled with the weights of K
   versions before (the publisher holds them; checkpoints save them, so a resume keeps the lag).
+  In these lockstep modes a worker claims the step's units together and each sampler group
+  generates its units' episodes as one batch (seeded by the first unit's number), as a server
+  batches the requests it holds.
 
 Run directory (`out`):
 
@@ -199,6 +202,7 @@ class TrainConfig:
 
 RUN_PRESETS: dict[str, dict[str, Any]] = {
     "homogeneous": {"fleet": "homogeneous", "eval_tasks": 64},
+    "precision": {"fleet": "precision", "eval_tasks": 64},
     "mixed": {"fleet": "mixed", "eval_tasks": 64},
     # a few small steps on the mixed fleet: every code path (quantized groups, calibration,
     # checkpoints, the monitor) in well under a minute on 2 cores
@@ -474,35 +478,69 @@ class Pipeline:
                 self.consumed = consumed
             self._cond.notify_all()
 
+    def _claim_step(self) -> list[tuple[int, SamplerGroup]]:
+        """Lockstep modes: the claimable units of the current step, all at once (one batched
+        generation per sampler group, as a server batches the requests it holds)."""
+        first = self._claim()
+        if first is None:
+            return []
+        claims = [first]
+        with self._cond:
+            while not self._stop.is_set() and self._may_claim():
+                u = self.cursor
+                self.cursor += 1
+                claims.append((u, self.router.assign(u)))
+                self.router.release(u)
+        return claims
+
+    def _model_for(self, models: dict, dtype: torch.dtype, version: int,
+                   weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+        held = models.get(dtype)
+        if held is None or held[0] != version:
+            model = held[1] if held else copy.deepcopy(self._base).to(dtype).eval()
+            model.load_state_dict({n: w.to(dtype) for n, w in weights.items()})
+            models[dtype] = (version, model)
+        return models[dtype][1]
+
     def _work(self) -> None:
         models: dict[torch.dtype, tuple[int, torch.nn.Module]] = {}
+        cfg = self.cfg
+        top = cfg.samples_top_p
         try:
             while True:
-                claim = self._claim()
-                if claim is None:
+                if cfg.lockstep:
+                    claims = self._claim_step()
+                else:
+                    one = self._claim()
+                    claims = [one] if one is not None else []
+                if not claims:
                     return
-                u, group = claim
-                version, weights = self.publisher.latest(self.cfg.lag)
-                dtype = COMPUTE_DTYPES[group.spec.compute_dtype]
-                held = models.get(dtype)
-                if held is None or held[0] != version:
-                    model = held[1] if held else copy.deepcopy(self._base).to(dtype).eval()
-                    model.load_state_dict({n: w.to(dtype) for n, w in weights.items()})
-                    models[dtype] = (version, model)
-                model = models[dtype][1]
-                t0 = time.perf_counter()
-                cfg = self.cfg
-                top = cfg.samples_top_p
-                eps = run_episodes(
-                    model, self.tokenizer, [task_of(u, cfg.seed, cfg.task_kinds)] * cfg.samples_per_prompt, group,
-                    version=version, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
-                    top_p=cfg.top_p if top else 1.0, top_k=cfg.top_p_max_tokens if top else 0,
-                    top_k_candidates=cfg.candidates, seed=_unit_seed(u, cfg.seed))
-                dt = time.perf_counter() - t0
-                with self._cond:
-                    self.busy_seconds += dt
-                self.results.put(Unit(index=u, group=group.name, version=version, episodes=eps,
-                                      seconds=dt))
+                version, weights = self.publisher.latest(cfg.lag)
+                by_group: dict[str, list[tuple[int, SamplerGroup]]] = defaultdict(list)
+                for u, group in claims:
+                    by_group[group.name].append((u, group))
+                done: list[Unit] = []
+                for batch in by_group.values():
+                    group = batch[0][1]
+                    model = self._model_for(models, COMPUTE_DTYPES[group.spec.compute_dtype],
+                                            version, weights)
+                    n = cfg.samples_per_prompt
+                    tasks = [task_of(u, cfg.seed, cfg.task_kinds)
+                             for u, _ in batch for _ in range(n)]
+                    t0 = time.perf_counter()
+                    eps = run_episodes(
+                        model, self.tokenizer, tasks, group, version=version,
+                        max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                        top_p=cfg.top_p if top else 1.0, top_k=cfg.top_p_max_tokens if top else 0,
+                        top_k_candidates=cfg.candidates, seed=_unit_seed(batch[0][0], cfg.seed))
+                    dt = time.perf_counter() - t0
+                    with self._cond:
+                        self.busy_seconds += dt
+                    done += [Unit(index=u, group=group.name, version=version,
+                                  episodes=eps[i * n:(i + 1) * n], seconds=dt / len(batch))
+                             for i, (u, _) in enumerate(batch)]
+                for unit in sorted(done, key=lambda x: x.index):
+                    self.results.put(unit)
         except BaseException as exc:  # handed to the trainer thread, which raises it
             self.results.put(_Failure(exc))
 
