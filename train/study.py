@@ -156,6 +156,33 @@ def _write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _death_signal() -> Callable[[], None] | None:
+    """A Popen preexec_fn (Linux) that makes the child get SIGKILL when the study process dies,
+    so a killed study leaves no orphan run writing into its directory (None elsewhere). libc is
+    loaded here, before any fork."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _lock(out: Path):
+    """Hold OUT/.lock for this process (one study per directory at a time)."""
+    import fcntl
+
+    handle = open(out / ".lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise ValueError(f"another `mismatch study` is running in {out}; wait for it or use "
+                         "another --out") from None
+    return handle
+
+
 def run_grid(cfg: StudyConfig, out: Path, *, jobs: int = 2,
              progress: Callable[[dict[str, Any]], None] | None = None,
              poll_seconds: float = 1.0) -> GridResult:
@@ -164,6 +191,15 @@ def run_grid(cfg: StudyConfig, out: Path, *, jobs: int = 2,
     after every poll."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    lock = _lock(out)
+    try:
+        return _run_grid(cfg, out, jobs, progress, poll_seconds)
+    finally:
+        lock.close()
+
+
+def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: float
+              ) -> GridResult:
     meta = out / "study.json"
     if meta.exists():
         saved = json.loads(meta.read_text())
@@ -191,11 +227,15 @@ def run_grid(cfg: StudyConfig, out: Path, *, jobs: int = 2,
     t0 = time.perf_counter()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
+    death = _death_signal()
+    logged = {c.name: _steps_logged(out / c.name) for c in cells(cfg)}
+
     def report() -> None:
         if progress is None:
             return
-        logged = sum(_steps_logged(out / c.name) for c in cells(cfg))
-        progress({"steps": logged, "total": total, "running": sorted(running),
+        for name in running:
+            logged[name] = _steps_logged(out / name)
+        progress({"steps": sum(logged.values()), "total": total, "running": sorted(running),
                   "done": len(result.done) + len(result.skipped), "runs": len(cells(cfg)),
                   "failed": len(result.failed)})
 
@@ -209,7 +249,8 @@ def run_grid(cfg: StudyConfig, out: Path, *, jobs: int = 2,
                 log = open(run / "train.log", "ab")
                 proc = subprocess.Popen(_command(cfg, cell, run, resume), stdout=log,
                                         stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True,
+                                        preexec_fn=death)
                 running[cell.name] = (proc, run, log)
                 if resume:
                     result.resumed.append(cell.name)
@@ -220,6 +261,7 @@ def run_grid(cfg: StudyConfig, out: Path, *, jobs: int = 2,
                     continue
                 log.close()
                 del running[name]
+                logged[name] = _steps_logged(run)
                 if code == 0:
                     result.done.append(name)
                 else:

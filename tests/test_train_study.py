@@ -1,0 +1,146 @@
+"""`mismatch study` end to end: the CI mini-grid (an uncorrected and a corrected arm on the mixed
+fleet, a few steps) runs as separate processes and aggregates into a report; a finished run is
+never rerun; a study killed mid-run resumes its runs from their checkpoints with no lost or
+duplicated step; bad input exits 2 in one line. The full grid is not run here (reports/study.md
+says how long it takes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train.study import STUDY_PRESETS, StudyConfig, cells, run_state, summarize_run
+from train.trainer import latest_checkpoint, read_metrics
+
+CLI = [sys.executable, "-m", "mismatch.cli"]
+
+
+def _cli(args, **kw):
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=600, **kw)
+
+
+@pytest.fixture(scope="module")
+def ci_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study") / "grid"
+    report = out.parent / "reports" / "study.md"
+    proc = _cli(["study", "--preset", "ci", "--out", str(out), "--report", str(report),
+                 "--quiet"])
+    return out, report, proc
+
+
+def test_ci_grid_runs_each_cell_as_a_process_and_writes_the_report(ci_study):
+    out, report, proc = ci_study
+    assert proc.returncode == 0, proc.stderr
+    cfg = StudyConfig(**STUDY_PRESETS["ci"])
+    names = [c.name for c in cells(cfg)]
+    assert names == ["L2-k2-grpo-s0", "L2-k2-sc_mis-s0"]
+    assert "2 run(s) finished, 0 already done" in proc.stdout
+    for name in names:
+        run = out / name
+        recs = read_metrics(run / "metrics.jsonl")
+        assert [r["step"] for r in recs] == list(range(1, cfg.steps + 1))
+        saved = json.loads((run / "config.json").read_text())
+        assert saved["staleness"] == 2 and saved["fleet"] == "mixed" and saved["seed"] == 0
+        assert saved["tasks"] == cfg.tasks and saved["lr"] == cfg.lr
+        # forced staleness: step s trained on version max(0, s - 1 - K)'s episodes
+        assert [r["staleness_mean"] for r in recs] == [0.0, 1.0, 2.0]
+        assert run_state(run, cfg.steps) == "done"
+    assert json.loads((out / "L2-k2-grpo-s0" / "config.json").read_text())["correction"] == "grpo"
+    assert json.loads((out / "L2-k2-sc_mis-s0" / "config.json").read_text())["correction"] \
+        == "sc+mis"
+    text = report.read_text()
+    assert "mismatch study --preset ci" in text  # the command that regenerates it
+    for arm in ("grpo", "sc+mis"):
+        assert f"| L2 | 2 | {arm} | 1 |" in text
+    for fig in ("study-reward.png", "study-kl.png", "study-format.png"):
+        assert (report.parent / fig).stat().st_size > 1000
+        assert f"]({fig})" in text
+    assert "L2 0/1" in text or "L2 1/1" in text  # the collapse question is answered
+    assert "KL per sampler group of L2 at step 1" in text
+
+
+def test_summary_matches_the_runs_log(ci_study):
+    out, _, _ = ci_study
+    run = out / "L2-k2-grpo-s0"
+    recs = read_metrics(run / "metrics.jsonl")
+    s = summarize_run(run)
+    rewards = [r["reward"] for r in recs]
+    assert s["reward"] == rewards
+    assert s["base"] == pytest.approx(sum(rewards[:3]) / 3)
+    assert s["final"] == pytest.approx(sum(rewards) / len(rewards))  # fewer than 5 steps
+    assert s["kl_first"] == recs[0]["kl"]
+    assert s["accuracy"][1] == pytest.approx((rewards[0] + rewards[1]) / 2)
+
+
+def test_finished_runs_are_never_rerun(ci_study):
+    out, report, _ = ci_study
+    logs = {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.jsonl")}
+    proc = _cli(["study", "--preset", "ci", "--out", str(out), "--report", str(report),
+                 "--quiet"])
+    assert proc.returncode == 0, proc.stderr
+    assert "0 run(s) finished, 2 already done" in proc.stdout
+    assert {p: p.stat().st_mtime_ns for p in logs} == logs
+
+
+def test_report_only_rebuilds_from_the_saved_grid(ci_study, tmp_path):
+    out, _, _ = ci_study
+    report = tmp_path / "again.md"
+    proc = _cli(["study", "--out", str(out), "--report-only", "--report", str(report)])
+    assert proc.returncode == 0, proc.stderr
+    text = report.read_text()
+    assert "| L2 | 2 | grpo | 1 |" in text and "| L0 |" not in text  # the saved grid, not "full"
+    assert (tmp_path / "again-reward.png").exists()
+
+
+def test_a_killed_study_resumes_its_runs(tmp_path):
+    out = tmp_path / "grid"
+    args = ["study", "--preset", "ci", "--arms", "grpo", "--steps", "6", "--out", str(out),
+            "--quiet"]
+    proc = subprocess.Popen(CLI + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = out / "L2-k2-grpo-s0"
+    deadline = time.time() + 300
+    try:
+        while latest_checkpoint(run) is None if run.exists() else True:
+            assert proc.poll() is None, "the study ended before its first checkpoint"
+            assert time.time() < deadline
+            time.sleep(0.2)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    time.sleep(1.0)  # the run's process gets SIGKILL with its parent (PR_SET_PDEATHSIG)
+    steps_at_kill = read_metrics(run / "metrics.jsonl")[-1]["step"]
+    assert steps_at_kill < 6 and not (run / "final").exists()
+    time.sleep(1.0)
+    assert read_metrics(run / "metrics.jsonl")[-1]["step"] == steps_at_kill  # no orphan writes
+    assert run_state(run, 6) == "resume"
+    done = _cli(args)
+    assert done.returncode == 0, done.stderr
+    assert "1 resumed" in done.stdout
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert run_state(run, 6) == "done"
+
+
+def test_bad_input_exits_2_in_one_line(tmp_path, ci_study):
+    out, _, _ = ci_study
+    cases = [
+        (["study", "--preset", "nope", "--out", str(tmp_path / "x")], "unknown study preset"),
+        (["study", "--fleets", "L9", "--out", str(tmp_path / "x")], "unknown fleet"),
+        (["study", "--arms", "ppo", "--out", str(tmp_path / "x")], "unknown arm"),
+        (["study", "--seeds", "a,b", "--out", str(tmp_path / "x")], "comma-separated"),
+        (["study", "--out", str(tmp_path / "none"), "--report-only"], "no study"),
+        (["study", "--preset", "ci", "--lr", "0.1", "--out", str(out)], "lr="),
+        (["study", "--jobs", "0", "--out", str(tmp_path / "x")], "--jobs"),
+    ]
+    for args, match in cases:
+        proc = _cli(args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = [x for x in proc.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1 and match in lines[0], (args, proc.stderr)
+    assert not (tmp_path / "x").exists()  # nothing written on bad input
