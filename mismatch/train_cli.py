@@ -23,8 +23,8 @@ __all__ = ["train_command", "report_command", "study_command"]
 def train_command(
     out: Path = typer.Option(..., "--out", help="Run directory (metrics.jsonl, alerts.jsonl, "
                              "checkpoints/, eval.json, final/)."),
-    preset: str = typer.Option("mixed", "--preset", help="homogeneous | mixed | smoke "
-                               "(a few small steps on the mixed fleet, for CI)."),
+    preset: str = typer.Option("mixed", "--preset", help="homogeneous | precision | mixed | "
+                               "smoke (a few small steps on the mixed fleet, for CI)."),
     correction: str = typer.Option("sc+mis+topp", "--correction", help="Loss arm: grpo, mis, "
                                    "icepop, tis, sc, sc+mis, sc+tis, topp, sc+mis+topp."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (preset's "
@@ -187,6 +187,7 @@ def study_command(
 
     from train.study import STUDY_PRESETS, StudyConfig, aggregate, run_grid
 
+    grid_command = ""
     try:
         if preset not in STUDY_PRESETS:
             raise ValueError(f"unknown study preset {preset!r}; presets: "
@@ -202,15 +203,18 @@ def study_command(
                 "steps": steps, "lr": lr, "tasks": tasks, "prompts": prompts, "samples": samples}
         cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
         if report_only:
-            cfg = _saved_study(out, cfg, over)
+            cfg, grid_command = _saved_study(out, cfg, over)
     except ValueError as exc:
         fail(str(exc))
     command = "mismatch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     elapsed = None
+    if report_only and grid_command:  # the report names the run that made it, then this
+        command = grid_command + "\n" + command
     if not report_only:
         try:
-            result = _with_grid_display(lambda p: run_grid(cfg, out, jobs=jobs, progress=p),
-                                        quiet=quiet)
+            result = _with_grid_display(
+                lambda p: run_grid(cfg, out, jobs=jobs, progress=p, command=command),
+                quiet=quiet)
         except ValueError as exc:
             fail(str(exc))
         elapsed = result.seconds
@@ -230,7 +234,8 @@ def study_command(
 
 
 def _saved_study(out: Path, cfg, over: dict):
-    """The grid saved in OUT/study.json, with the options given on this command line."""
+    """The grid saved in OUT/study.json, with the options given on this command line, and the
+    command that ran it."""
     import json
     from dataclasses import fields, replace
 
@@ -246,7 +251,8 @@ def _saved_study(out: Path, cfg, over: dict):
                              for k, v in saved.items() if k in names})
     except (json.JSONDecodeError, TypeError) as exc:
         raise ValueError(f"{meta} is unreadable ({exc}); rerun the study") from None
-    return replace(cfg, **{k: v for k, v in over.items() if v is not None})
+    return (replace(cfg, **{k: v for k, v in over.items() if v is not None}),
+            str(saved.get("command") or ""))
 
 
 def _with_grid_display(fn, *, quiet: bool):

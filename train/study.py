@@ -54,11 +54,11 @@ class StudyConfig:
     """The grid and the settings every run shares."""
 
     fleets: tuple[str, ...] = ("L0", "L1", "L2")
-    staleness: tuple[int, ...] = (8,)
+    staleness: tuple[int, ...] = (4,)
     arms: tuple[str, ...] = tuple(ARMS)
     seeds: tuple[int, ...] = (0, 1, 2)
-    steps: int = 40
-    lr: float = 5e-4
+    steps: int = 32
+    lr: float = 3e-4
     tasks: str = "arith"
     prompts: int = 4
     samples: int = 8
@@ -185,21 +185,22 @@ def _lock(out: Path):
 
 def run_grid(cfg: StudyConfig, out: Path, *, jobs: int = 2,
              progress: Callable[[dict[str, Any]], None] | None = None,
-             poll_seconds: float = 1.0) -> GridResult:
-    """Run every cell not yet done, `jobs` processes at a time. `progress` gets
+             poll_seconds: float = 1.0, command: str = "") -> GridResult:
+    """Run every cell not yet done, `jobs` processes at a time (`command`, the invocation, is
+    saved in OUT/study.json for the report). `progress` gets
     {"steps": steps logged over all runs, "total": …, "running": [names], "done": n, "failed": n}
     after every poll."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
     try:
-        return _run_grid(cfg, out, jobs, progress, poll_seconds)
+        return _run_grid(cfg, out, jobs, progress, poll_seconds, command)
     finally:
         lock.close()
 
 
-def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: float
-              ) -> GridResult:
+def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: float,
+              command: str) -> GridResult:
     meta = out / "study.json"
     if meta.exists():
         saved = json.loads(meta.read_text())
@@ -210,7 +211,7 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
             k = shared[0]
             raise ValueError(f"{out} holds a study with {k}={saved.get(k)!r}, not "
                              f"{mine.get(k)!r}; use the same settings or another --out")
-    _write_json(meta, asdict(cfg))
+    _write_json(meta, dict(asdict(cfg), command=command))
     result = GridResult()
     todo: list[tuple[Cell, bool]] = []
     for cell in cells(cfg):
@@ -222,6 +223,9 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
         if state == "fresh" and run.exists():
             shutil.rmtree(run)  # killed before its first checkpoint: nothing to keep
         todo.append((cell, state == "resume"))
+    # seed by seed (a partial study holds whole seeds), the slowest fleet first in each
+    rank = {f: i for i, f in enumerate(sorted(cfg.fleets, reverse=True))}
+    todo.sort(key=lambda x: (cfg.seeds.index(x[0].seed), rank[x[0].fleet]))
     total = len(cells(cfg)) * cfg.steps
     running: dict[str, tuple[subprocess.Popen, Path, Any]] = {}
     t0 = time.perf_counter()
