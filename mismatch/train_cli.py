@@ -96,9 +96,10 @@ def train_command(
         raise typer.Exit(EXIT_STOPPED)
 
 
-def _with_step_bar(fn, total: int, *, quiet: bool):
-    """fn(progress) with a step bar on stderr, opened at the first step (so that an error before
-    it — a bad checkpoint, say — stays one line)."""
+def _with_bar(fn, *, quiet: bool, label: str, total, completed, describe):
+    """fn(progress) with a bar on stderr, opened at the first progress call (so that an error
+    before it — a bad checkpoint, say — stays one line). total, completed, describe: of the
+    state passed to progress."""
     if quiet:
         return fn(None)
     from rich.console import Console
@@ -108,18 +109,25 @@ def _with_step_bar(fn, total: int, *, quiet: bool):
                    MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True))
     task = None
 
-    def progress(rec: dict) -> None:
+    def progress(state: dict) -> None:
         nonlocal task
         if task is None:
             bar.start()
-            task = bar.add_task("training", total=total)
-        bar.update(task, completed=rec["step"], description=(
-            f"reward {rec['reward']:.2f} kl {rec['kl']:.1e} stale {rec['staleness_mean']:.1f}"))
+            task = bar.add_task(label, total=total(state))
+        bar.update(task, completed=completed(state), description=describe(state))
 
     try:
         return fn(progress)
     finally:
         bar.stop()
+
+
+def _with_step_bar(fn, total: int, *, quiet: bool):
+    """fn(progress) with a bar over the run's optimizer steps."""
+    return _with_bar(fn, quiet=quiet, label="training", total=lambda _: total,
+                     completed=lambda rec: rec["step"], describe=lambda rec: (
+                         f"reward {rec['reward']:.2f} kl {rec['kl']:.1e} "
+                         f"stale {rec['staleness_mean']:.1f}"))
 
 
 def report_command(
@@ -256,27 +264,8 @@ def _saved_study(out: Path, cfg, over: dict):
 
 
 def _with_grid_display(fn, *, quiet: bool):
-    """fn(progress) with a steps bar over the whole grid and the runs in flight."""
-    if quiet:
-        return fn(None)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    bar = Progress("[progress.description]{task.description}", BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True))
-    task = None
-
-    def progress(state: dict) -> None:
-        nonlocal task
-        if task is None:
-            bar.start()
-            task = bar.add_task("study", total=state["total"])
-        running = ", ".join(state["running"]) or "–"
-        bar.update(task, completed=state["steps"], description=(
-            f"runs {state['done']}/{state['runs']} done, {state['failed']} failed; "
-            f"running {running}"))
-
-    try:
-        return fn(progress)
-    finally:
-        bar.stop()
+    """fn(progress) with a bar over the steps of the whole grid and the runs in flight."""
+    return _with_bar(fn, quiet=quiet, label="study", total=lambda st: st["total"],
+                     completed=lambda st: st["steps"], describe=lambda st: (
+                         f"runs {st['done']}/{st['runs']} done, {st['failed']} failed; "
+                         f"running {', '.join(st['running']) or '–'}"))

@@ -62,24 +62,19 @@ class SamplerGroup:
     share: float
 
 
-def _homogeneous(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
-    name = "b200-bf16"
-    for key, value in shares:
-        if key.lower() != name:
-            raise ValueError(f"fleet homogeneous: unknown group {key!r}; groups: {name}")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"fleet homogeneous: share of {name} must be finite and > 0")
-    return [SamplerGroup(name=name, spec=resolve("b200", "bf16", "bf16"), share=1.0)]
+def _single(preset: str, gpu: str, dtype: str, kv_cache: str):
+    """A one-group fleet: `gpu` serving `dtype` with a `kv_cache` KV cache, all the capacity."""
+    name = f"{gpu}-{dtype}"
 
+    def build(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
+        for key, value in shares:
+            if key.lower() != name:
+                raise ValueError(f"fleet {preset}: unknown group {key!r}; groups: {name}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"fleet {preset}: share of {name} must be finite and > 0")
+        return [SamplerGroup(name=name, spec=resolve(gpu, dtype, kv_cache), share=1.0)]
 
-def _precision(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
-    name = "b200-w4a16-nvfp4"
-    for key, value in shares:
-        if key.lower() != name:
-            raise ValueError(f"fleet precision: unknown group {key!r}; groups: {name}")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"fleet precision: share of {name} must be finite and > 0")
-    return [SamplerGroup(name=name, spec=resolve("b200", "w4a16-nvfp4", "fp8"), share=1.0)]
+    return build
 
 
 def _mixed(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
@@ -90,7 +85,8 @@ def _mixed(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
             for g, d, s in fleet_groups(shares)]
 
 
-PRESETS = {"homogeneous": _homogeneous, "precision": _precision, "mixed": _mixed}
+PRESETS = {"homogeneous": _single("homogeneous", "b200", "bf16", "bf16"),
+           "precision": _single("precision", "b200", "w4a16-nvfp4", "fp8"), "mixed": _mixed}
 
 
 def fleet(preset: str,
