@@ -40,7 +40,7 @@ def _check_bound(router: Router, sessions: int) -> float:
 
 
 def test_presets():
-    assert set(PRESETS) == {"homogeneous", "mixed"}
+    assert set(PRESETS) == {"homogeneous", "precision", "mixed"}
     mixed = fleet("mixed")
     assert [g.name for g in mixed] == [f"{g}-{d}" for g, d in natural_pairs()]
     assert len(mixed) == 8
@@ -58,6 +58,14 @@ def test_presets():
     assert home.spec.gpu == "b200" and home.spec.dtype == "bf16" and home.spec.kv_cache == "bf16"
     assert home.spec.kv_codec is None
     assert fleet("homogeneous", {"b200-bf16": 2.0}) == [home]
+
+    (low,) = fleet("precision")  # the study's L1: NVFP4 weights, BF16 activations, FP8 KV
+    assert low.name == "b200-w4a16-nvfp4" and low.share == 1.0
+    assert low.spec == resolve("b200", "w4a16-nvfp4", "fp8")
+    assert low.spec.weight_codec == "w4a16-nvfp4" and low.spec.activation_codec is None
+    assert low.spec.kv_codec == "fp8-act" and low.spec.compute_dtype == "bf16"
+    with pytest.raises(ValueError, match="fleet precision: unknown group"):
+        fleet("precision", {"b200-bf16": 1.0})
 
 
 def test_mixed_shares():
@@ -186,7 +194,7 @@ def test_thread_safety():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: fleet("nope"), "presets: homogeneous, mixed"),
+    (lambda: fleet("nope"), "presets: homogeneous, precision, mixed"),
     (lambda: fleet("mixed", {"z100-fp8": 1}), "unknown group"),
     (lambda: fleet("mixed", {"b200-nvfp4": -1}), ">= 0"),
     (lambda: fleet("mixed", {"b200-nvfp4": float("nan")}), "finite"),

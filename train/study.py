@@ -466,7 +466,8 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                     ans = (f"L2 collapsed in {len(h2)} runs, L0 in {len(h0)}; no median to "
                            "compare")
                 lines.append(f"- Earlier on L2 than on L0? {ans}.")
-        for arm in ("mis", "sc", "grpo+topp", "sc+mis", "sc+mis+topp"):
+        singles = ("mis", "sc", "grpo+topp")
+        for arm in singles + ("sc+mis", "sc+mis+topp"):
             if arm not in cfg.arms:
                 continue
             parts = []
@@ -474,8 +475,11 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                 n, total, at = tally(f, k, arm)
                 rs = _cell_runs(runs, f, k, arm)
                 fin = _ci95([r["final"] for r in rs])
-                parts.append(f"{f} {n}/{total} collapsed, final {_fmt_ci(*fin)}")
-            lines.append(f"- {arm}: " + "; ".join(parts) + ".")
+                parts.append(f"{f} {n}/{total} collapsed (halved at step {_steps_list(at)}), "
+                             f"final {_fmt_ci(*fin)}")
+            ask = ("alone: collapse delayed rather than avoided?" if arm in singles
+                   else "stable to the end?")
+            lines.append(f"- {arm} {ask} " + "; ".join(parts) + ".")
         signs = []
         for c, r in runs.items():
             if c.staleness != k or r["halved_step"] is None:

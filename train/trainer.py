@@ -85,7 +85,7 @@ class TrainConfig:
     """Everything that defines a run (saved as out/config.json; a resume must match it)."""
 
     fleet: str = "mixed"
-    """Sampler fleet preset (train.fleet.PRESETS): homogeneous or mixed."""
+    """Sampler fleet preset (train.fleet.PRESETS): homogeneous, precision or mixed."""
     correction: str = "sc+mis+topp"
     """Loss arm (train.loss.ARMS)."""
     steps: int = 200
