@@ -453,7 +453,8 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
             parts = []
             for f in cfg.fleets:
                 n, total, at = tally(f, k, "grpo")
-                parts.append(f"{f} {n}/{total} (halved at step {_steps_list(at)})")
+                if total:
+                    parts.append(f"{f} {n}/{total} (halved at step {_steps_list(at)})")
             lines.append("- Does uncorrected GRPO collapse (5-step mean reward at or below half "
                          "its first 3 steps)? " + "; ".join(parts) + ".")
             if {"L0", "L2"} <= set(cfg.fleets):
@@ -463,7 +464,7 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                     ans = (f"median halving step L2 {sorted(h2)[len(h2) // 2]} vs L0 "
                            f"{sorted(h0)[len(h0) // 2]}")
                 else:
-                    ans = (f"L2 collapsed in {len(h2)} runs, L0 in {len(h0)}; no median to "
+                    ans = (f"runs collapsed: L2 {len(h2)}, L0 {len(h0)}; no pair of medians to "
                            "compare")
                 lines.append(f"- Earlier on L2 than on L0? {ans}.")
         singles = ("mis", "sc", "grpo+topp")
@@ -474,6 +475,8 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
             for f in cfg.fleets:
                 n, total, at = tally(f, k, arm)
                 rs = _cell_runs(runs, f, k, arm)
+                if not rs:
+                    continue
                 fin = _ci95([r["final"] for r in rs])
                 parts.append(f"{f} {n}/{total} collapsed (halved at step {_steps_list(at)}), "
                              f"final {_fmt_ci(*fin)}")
