@@ -299,13 +299,41 @@ def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
 # the trainer
 
 
-class Trainer:
-    """FP32 master + AdamW; the loss runs on the master's BF16 cast (the trainer's numerics)."""
+def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
+    """The arm's loss of `batch` under `model` (teacher-forced, FP32 log-softmax of its logits):
+    (loss — a mean over the batch's valid tokens —, the loss's metrics, log-softmax [B, T-1, V],
+    log π of each token [B, T], log π of each candidate [B, T, K], the sampled-token mask)."""
+    arm = ARMS[correction]
+    logits = model(input_ids=batch.ids, attention_mask=batch.attention,
+                   use_cache=False).logits.float()
+    lsm = torch.log_softmax(logits[:, :-1], dim=-1)                      # predicts t+1
+    nxt = batch.ids[:, 1:]
+    logp = torch.zeros(batch.ids.shape, dtype=torch.float32)
+    logp = torch.cat([logp[:, :1], lsm.gather(-1, nxt[..., None])[..., 0]], dim=1)
+    cand = torch.cat([torch.zeros_like(batch.cand_ids[:, :1], dtype=torch.float32)
+                      .expand(-1, -1, batch.cand_ids.shape[-1]),
+                      lsm.gather(-1, batch.cand_ids[:, 1:])], dim=1)
+    mask = batch.mask.clone()
+    mask[:, 0] = False
+    kwargs = {}
+    if arm.centered or arm.top_p:
+        kwargs = dict(cand_logp=cand, cand_sampler_logp=batch.cand_sampler_logp)
+        if arm.top_p:
+            kwargs["support_mask"] = batch.support
+    loss, m = policy_loss(logp, batch.sampler_logp, batch.advantages, mask, arm=correction,
+                          **kwargs)
+    return loss, m, lsm, logp, cand, mask
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig) -> None:
+
+class Trainer:
+    """FP32 master + AdamW; the loss runs on the master's BF16 cast (the trainer's numerics;
+    `compute_dtype` FP32 for reference comparisons)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig,
+                 compute_dtype: torch.dtype = torch.bfloat16) -> None:
         self.cfg = cfg
         self.master = copy.deepcopy(model).float()
-        self.compute = copy.deepcopy(model).to(torch.bfloat16)
+        self.compute = copy.deepcopy(model).to(compute_dtype)
         self.master.train()
         self.compute.train()
         self.opt = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
@@ -324,26 +352,8 @@ class Trainer:
     def step(self, batch: Batch) -> dict[str, Any]:
         """One corrected GRPO step; returns its metrics (floats)."""
         cfg = self.cfg
-        arm = ARMS[cfg.correction]
         self.compute.zero_grad(set_to_none=True)
-        logits = self.compute(input_ids=batch.ids, attention_mask=batch.attention,
-                              use_cache=False).logits.float()
-        lsm = torch.log_softmax(logits[:, :-1], dim=-1)                      # predicts t+1
-        nxt = batch.ids[:, 1:]
-        logp = torch.zeros(batch.ids.shape, dtype=torch.float32)
-        logp = torch.cat([logp[:, :1], lsm.gather(-1, nxt[..., None])[..., 0]], dim=1)
-        cand = torch.cat([torch.zeros_like(batch.cand_ids[:, :1], dtype=torch.float32)
-                          .expand(-1, -1, batch.cand_ids.shape[-1]),
-                          lsm.gather(-1, batch.cand_ids[:, 1:])], dim=1)
-        mask = batch.mask.clone()
-        mask[:, 0] = False
-        kwargs = {}
-        if arm.centered or arm.top_p:
-            kwargs = dict(cand_logp=cand, cand_sampler_logp=batch.cand_sampler_logp)
-            if arm.top_p:
-                kwargs["support_mask"] = batch.support
-        loss, m = policy_loss(logp, batch.sampler_logp, batch.advantages, mask,
-                              arm=cfg.correction, **kwargs)
+        loss, m, lsm, logp, cand, mask = batch_loss(self.compute, batch, cfg.correction)
         loss.backward()
         with torch.no_grad():
             for p, mp in zip(self.compute.parameters(), self.master.parameters()):

@@ -1,0 +1,138 @@
+"""The trainer under torch.distributed: FSDP2 (`fully_shard`) over any world size.
+
+Each rank holds a shard of the FP32 master (every decoder layer and the root are `fully_shard`
+units, so a layer's parameters are gathered only while it computes) and of the AdamW state. The
+mixed-precision policy gathers the parameters in the compute dtype (BF16: the trainer's numerics,
+the same cast the single-process `Trainer` makes of its master) and reduces gradients in FP32.
+
+The loss must not depend on how the batch is split. `policy_loss` is a mean over the valid tokens
+it sees, so each rank scales its loss by (its tokens × world size / the global token count): the
+gradient FSDP2 averages over ranks is then the gradient of the global token mean, exactly as one
+process computing the whole batch would take it. Rows are split whole (a GRPO advantage is
+computed over the full batch before the split, in `build_batch`).
+
+Backends: gloo on CPU, NCCL on GPUs. Launch with `torchrun` (it sets RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), or from Ray actors that set the same variables.
+
+    torchrun --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port PORT \\
+        -m train.distributed --batch batch.pt --out state.pt [--lr 1e-4 --correction sc+mis]
+
+runs one step on a saved batch and writes the full updated master (rank 0): what the tests
+compare with a single-process step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .trainer import Batch, TrainConfig, batch_loss
+
+__all__ = ["setup", "shard_rows", "ShardedTrainer"]
+
+
+def setup(backend: str | None = None) -> tuple[int, int]:
+    """Join the process group the environment describes (torchrun's variables); returns
+    (rank, world size). gloo on CPU, NCCL when CUDA is there, unless `backend` says."""
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if v not in os.environ]
+        if missing:
+            raise ValueError(f"torch.distributed needs {', '.join(missing)} in the environment; "
+                             "launch with torchrun (or set them in each Ray actor)")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shard_rows(batch: Batch, rank: int, world: int) -> Batch:
+    """This rank's contiguous share of the batch's rows (whole episodes)."""
+    n = batch.ids.shape[0]
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    parts: dict[str, Any] = {}
+    for f in fields(Batch):
+        value = getattr(batch, f.name)
+        parts[f.name] = value[lo:hi]
+    return replace(batch, **parts)
+
+
+class ShardedTrainer:
+    """FP32 master sharded with FSDP2, AdamW on the shards, loss in `compute_dtype`."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig,
+                 compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.cfg = cfg
+        self.model = copy.deepcopy(model).float()
+        self.model.train()
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for layer in self.model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(self.model, mp_policy=policy)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
+                                     weight_decay=0.0)
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One step on this rank's rows (`shard_rows`); returns the global loss, gradient norm
+        and token count (the same on every rank)."""
+        world = dist.get_world_size()
+        loss, m, *_ = batch_loss(self.model, batch, self.cfg.correction)
+        local = torch.tensor([float(m["valid_tokens"]), 0.0])
+        local[1] = loss.detach().float() * local[0]
+        total = local.clone()
+        dist.all_reduce(total)
+        tokens = float(total[0])
+        scale = local[0] * world / max(tokens, 1.0)
+        (loss * scale).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        if torch.isfinite(grad_norm):
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"loss": float(total[1]) / max(tokens, 1.0), "grad_norm": float(grad_norm),
+                "valid_tokens": tokens}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole FP32 master, gathered (a collective: every rank must call it)."""
+        out = {}
+        for name, value in self.model.state_dict().items():
+            out[name] = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="One FSDP2 trainer step on a saved batch.")
+    ap.add_argument("--batch", required=True, help="torch.save'd train.trainer.Batch")
+    ap.add_argument("--out", required=True, help="where rank 0 writes the updated master")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--correction", default="sc+mis")
+    ap.add_argument("--compute-dtype", default="bf16", choices=("bf16", "fp32"))
+    args = ap.parse_args(argv)
+    rank, world = setup()
+    torch.set_num_threads(1)
+    from mismatch.zoo import load_model
+
+    batch = torch.load(args.batch, weights_only=False)
+    cfg = TrainConfig(fleet="homogeneous", correction=args.correction, lr=args.lr)
+    dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32
+    trainer = ShardedTrainer(load_model(dtype="float32"), cfg, compute_dtype=dtype)
+    metrics = trainer.step(shard_rows(batch, rank, world))
+    state = trainer.full_state_dict()
+    if rank == 0:
+        tmp = f"{args.out}.tmp-{os.getpid()}"
+        torch.save({"master": state, "metrics": metrics, "world": world}, tmp)
+        os.replace(tmp, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
