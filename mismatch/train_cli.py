@@ -225,6 +225,8 @@ def study_command(
                 quiet=quiet)
         except ValueError as exc:
             fail(str(exc))
+        except OSError as exc:  # an --out that is a file, a read-only or full disk
+            fail(f"cannot run the study in {out}: {exc.strerror or exc}; choose another --out")
         elapsed = result.seconds
         typer.echo(f"{out}: {len(result.done)} run(s) finished, {len(result.skipped)} already "
                    f"done, {len(result.resumed)} resumed, {len(result.failed)} failed "
@@ -236,6 +238,8 @@ def study_command(
                          elapsed=elapsed, notes=notes.read_text() if notes else None)
     except ValueError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write the report {report or out / 'study.md'}: {exc.strerror or exc}")
     typer.echo(f"wrote {path}")
     if not report_only and result.failed:
         raise typer.Exit(1)

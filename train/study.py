@@ -434,7 +434,11 @@ def _plots(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str) ->
         axes[0][-1].legend(fontsize=7, loc="best")
         fig.suptitle(f"{title}: mean over seeds, band = min–max (emulated samplers)",
                      fontsize=10)
-        names.append(save_figure(fig, folder / f"{stem}-{files[key]}.png"))
+        final = folder / f"{stem}-{files[key]}.png"
+        tmp = folder / f".{final.stem}.tmp-{os.getpid()}.png"  # renamed only when whole
+        save_figure(fig, tmp)
+        os.replace(tmp, final)
+        names.append(final.name)
     return names
 
 
