@@ -52,6 +52,15 @@ def train_command(
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Task mix: zoo, or kinds in turn "
                                         "(arith, word, table, two_step), e.g. arith,table."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Router, task order, sampling."),
+    backend: str = typer.Option("local", "--backend", help="local (sampler threads in this "
+                                "process) | ray (sampler groups and the trainer as Ray actors)."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray: join this cluster "
+                                          "(e.g. 10.0.0.1:6379 or auto) instead of starting a "
+                                          "local Ray with this machine's CPUs."),
+    replicas: int = typer.Option(1, "--replicas", help="Ray: sampler actors per group."),
+    placement: str = typer.Option("cpu", "--placement", help="Ray: cpu (each actor a share of "
+                                  "the CPUs) | gpu (each sampler one GPU of its group's type, "
+                                  "by Ray's accelerator_type label)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Train the embedded model with corrected asynchronous GRPO on a sampler fleet."""
@@ -70,17 +79,33 @@ def train_command(
         check_out(out, resume, cfg)
         if stop_on not in (None, "warning", "critical"):
             raise ValueError(f"--stop-on must be warning or critical, got {stop_on!r}")
+        if backend not in ("local", "ray"):
+            raise ValueError(f"--backend must be local or ray, got {backend!r}")
+        if backend == "local" and (address or replicas != 1 or placement != "cpu"):
+            raise ValueError("--address, --replicas and --placement are options of "
+                             "--backend ray")
+        engine = None
+        if backend == "ray":
+            from train.ray_backend import RayBackend
+
+            engine = RayBackend(address, replicas=replicas, placement=placement)
     except ValueError as exc:
         fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     command = "mismatch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
     def body(progress):
-        return run(cfg, out, resume=resume, stop_on=stop_on, progress=progress)
+        return run(cfg, out, resume=resume, stop_on=stop_on, progress=progress, backend=engine)
 
     try:
         result = _with_step_bar(body, cfg.steps, quiet=quiet)
     except ValueError as exc:
+        fail(str(exc))
+    except RuntimeError as exc:
+        from train.ray_backend import BackendError
+
+        if not isinstance(exc, BackendError):
+            raise
         fail(str(exc))
     (Path(out) / "command.txt").write_text(command + "\n")
     ev = result.evaluation

@@ -92,6 +92,8 @@ def test_report_draws_curves(async_run, tmp_path):
     assert "| run |" in text and "curves.png" in text
     assert (tmp_path / "rep" / "curves.png").stat().st_size > 10_000
     assert (tmp_path / "rep" / "group_kl.png").stat().st_size > 5_000 and "group_kl.png" in text
+    for name in ("group_tokens_per_s.png", "staleness.png"):
+        assert (tmp_path / "rep" / name).stat().st_size > 5_000 and name in text
 
 
 def test_sync_mode_is_on_policy(tmp_path, model, tok):

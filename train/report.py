@@ -30,6 +30,8 @@ PANELS = (
     ("entropy", "trainer entropy (nats/token)", False),
     ("staleness_mean", "staleness of consumed tokens (steps)", False),
     ("tokens_per_s", "sampled tokens consumed per second", False),
+    ("queue_depth", "finished units queued when the trainer took its batch", False),
+    ("trainer_idle_share", "share of the step the trainer waited for samples", False),
 )
 """(metrics key, title, log scale) of each panel."""
 _SMOOTH = 10
@@ -90,6 +92,46 @@ def summary_rows(runs: list[dict[str, Any]], window: int = 20) -> list[list[str]
     return rows
 
 
+def _per_group(plt, runs: list[dict[str, Any]], key: str, title: str, log: bool, path: Path):
+    """One panel per run: the per-group signal `key` ({group: value}) against the step."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.8), squeeze=False,
+                             sharey=True)
+    for ax, r in zip(axes[0], runs):
+        names = sorted({g for row in r["metrics"] for g in row.get(key) or {}})
+        for g in names:
+            pts = [(row["step"], row[key][g]) for row in r["metrics"]
+                   if isinstance((row.get(key) or {}).get(g), (int, float))]
+            ax.plot([x for x, _ in pts], _smooth([y for _, y in pts]), lw=1.4, marker="o",
+                    ms=2.5, label=g)
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(f"{title} — {r['label']}", fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def _staleness(plt, runs: list[dict[str, Any]], path: Path):
+    """Tokens consumed at each staleness (steps), summed over the run, one bar group per run."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(runs)
+    for k, r in enumerate(runs):
+        total: dict[int, int] = {}
+        for row in r["metrics"]:
+            for lag, n in (row.get("staleness_tokens") or {}).items():
+                total[int(lag)] = total.get(int(lag), 0) + int(n)
+        lags = sorted(total)
+        all_tokens = sum(total.values()) or 1
+        ax.bar([x + (k - (len(runs) - 1) / 2) * width for x in lags], [total[x] / all_tokens for x in lags],
+               width=width, label=r["label"])
+    ax.set_xlabel("staleness (optimizer steps)")
+    ax.set_ylabel("share of consumed tokens")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return save_figure(fig, path)
+
+
 def write_report(dirs: list[Path], out: Path) -> Path:
     import matplotlib
 
@@ -98,7 +140,8 @@ def write_report(dirs: list[Path], out: Path) -> Path:
 
     runs = [load_run(d) for d in dirs]
     with atomic_directory(Path(out)) as tmp:
-        fig, axes = plt.subplots(4, 2, figsize=(11, 12), sharex=True)
+        fig, axes = plt.subplots(math.ceil(len(PANELS) / 2), 2, figsize=(11, 14.5),
+                                 sharex=True)
         for ax, (key, title, log) in zip(axes.flat, PANELS):
             for r in runs:
                 xs = [row["step"] for row in r["metrics"]]
@@ -116,20 +159,11 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         fig.suptitle("training curves (emulated sampler fleet; thin: per step, thick: "
                      f"{_SMOOTH}-step moving average)", fontsize=11)
         png = save_figure(fig, tmp / "curves.png")
-        fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.8), squeeze=False,
-                                 sharey=True)
-        for ax, r in zip(axes[0], runs):
-            names = sorted({g for row in r["metrics"] for g in row.get("group_kl", {})})
-            for g in names:
-                xs = [row["step"] for row in r["metrics"] if g in row.get("group_kl", {})]
-                ys = [row["group_kl"][g] for row in r["metrics"] if g in row.get("group_kl", {})]
-                ax.plot(xs, _smooth(ys), lw=1.4, label=g)
-            ax.set_yscale("log")
-            ax.set_title(f"KL per sampler group — {r['label']}", fontsize=9)
-            ax.set_xlabel("optimizer step")
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        group_png = save_figure(fig, tmp / "group_kl.png")
+        group_png = _per_group(plt, runs, "group_kl", "KL per sampler group", True,
+                               tmp / "group_kl.png")
+        speed_png = _per_group(plt, runs, "group_tokens_per_s", "sampled tokens/s per group",
+                               False, tmp / "group_tokens_per_s.png")
+        stale_png = _staleness(plt, runs, tmp / "staleness.png")
         head = ["run", "steps", "reward (first 20 → last 20)", "held-out reward (base → final)",
                 "KL k3 (first 20 → last 20)", "format-error share", "MIS-masked (last 20)",
                 "staleness (mean)", "alerts"]
@@ -139,7 +173,18 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         lines += ["| " + " | ".join(row) + " |" for row in summary_rows(runs)]
         lines += ["", f"![curves]({png})", "", "KL per sampler group (emulated numerics, "
                   f"{_SMOOTH}-step moving average over the steps that group served):", "",
-                  f"![group KL]({group_png})", ""]
+                  f"![group KL]({group_png})", "",
+                  "Sampling throughput of each group (tokens over the seconds its samplers "
+                  "spent on them; emulated numerics on CPU):", "", f"![group speed]({speed_png})",
+                  "", "Staleness of every consumed token over the run:", "",
+                  f"![staleness]({stale_png})", ""]
+        faults = [(r["label"], r["metrics"][-1]) for r in runs
+                  if r["metrics"][-1].get("sampler_restarts")]
+        for label, last in faults:
+            lines.append(f"{label}: {last['sampler_restarts']} sampler restart(s), "
+                         f"{last['requeued_units']} unit(s) sampled again.")
+        if faults:
+            lines.append("")
         for r in runs:
             if r["alerts"]:
                 lines.append(f"Alerts of {r['label']}:")

@@ -349,6 +349,21 @@ class Trainer:
         """The BF16 weights samplers load (a copy: safe to hand to other threads)."""
         return {n: p.detach().clone() for n, p in self.compute.state_dict().items()}
 
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore the FP32 master and AdamW state of a checkpoint."""
+        self.master.load_state_dict(state["master"])
+        self.opt.load_state_dict(state["optimizer"])
+        self._sync_compute()
+
+    def policy(self) -> torch.nn.Module:
+        """A copy of the policy as it is now (the BF16 cast), for evaluation and export."""
+        return copy.deepcopy(self.compute)
+
+    def save(self, out: Path, step: int, next_unit: int,
+             older: dict[int, dict[str, torch.Tensor]] | None = None) -> Path:
+        """Write the checkpoint of `step` into out/checkpoints (see save_checkpoint)."""
+        return save_checkpoint(out, step, self, next_unit, self.cfg, older)
+
     def step(self, batch: Batch) -> dict[str, Any]:
         """One corrected GRPO step; returns its metrics (floats)."""
         cfg = self.cfg
@@ -432,6 +447,41 @@ class Publisher:
             return {v: w for v, w in self.history.items() if v != self.version}
 
 
+def model_at(models: dict, base: torch.nn.Module, dtype: torch.dtype, version: int,
+             weights) -> torch.nn.Module:
+    """The sampler's model in `dtype` holding weight `version`, from the cache `models`
+    {dtype: (version, model)}; `weights` (a state dict, or a callable returning one) is read only
+    when the cached version differs."""
+    held = models.get(dtype)
+    if held is None or held[0] != version:
+        state = weights() if callable(weights) else weights
+        model = held[1] if held else copy.deepcopy(base).to(dtype).eval()
+        model.load_state_dict({n: w.to(dtype) for n, w in state.items()})
+        models[dtype] = (version, model)
+    return models[dtype][1]
+
+
+def sample_units(model: torch.nn.Module, tokenizer, cfg: TrainConfig, group: SamplerGroup,
+                 units: list[int], version: int) -> list[Trajectory]:
+    """The episodes of `units` (samples_per_prompt each, in order) sampled by `group`'s numerics
+    with `model` (weight `version`) as one batch, seeded by the first unit's number."""
+    top = cfg.samples_top_p
+    tasks = [task_of(u, cfg.seed, cfg.task_kinds) for u in units
+             for _ in range(cfg.samples_per_prompt)]
+    return run_episodes(
+        model, tokenizer, tasks, group, version=version, max_turns=cfg.max_turns,
+        max_new_tokens=cfg.max_new_tokens, top_p=cfg.top_p if top else 1.0,
+        top_k=cfg.top_p_max_tokens if top else 0, top_k_candidates=cfg.candidates,
+        seed=_unit_seed(units[0], cfg.seed))
+
+
+def split_units(eps: list[Trajectory], batch: list[tuple[int, Any]], group: str, version: int,
+                seconds: float, n: int) -> list[Unit]:
+    """The units of one batched generation (n episodes each, in claim order)."""
+    return [Unit(index=u, group=group, version=version, episodes=eps[i * n:(i + 1) * n],
+                 seconds=seconds / len(batch)) for i, (u, _) in enumerate(batch)]
+
+
 class _Failure:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
@@ -503,19 +553,10 @@ class Pipeline:
                 self.router.release(u)
         return claims
 
-    def _model_for(self, models: dict, dtype: torch.dtype, version: int,
-                   weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-        held = models.get(dtype)
-        if held is None or held[0] != version:
-            model = held[1] if held else copy.deepcopy(self._base).to(dtype).eval()
-            model.load_state_dict({n: w.to(dtype) for n, w in weights.items()})
-            models[dtype] = (version, model)
-        return models[dtype][1]
 
     def _work(self) -> None:
         models: dict[torch.dtype, tuple[int, torch.nn.Module]] = {}
         cfg = self.cfg
-        top = cfg.samples_top_p
         try:
             while True:
                 if cfg.lockstep:
@@ -529,30 +570,33 @@ class Pipeline:
                 by_group: dict[str, list[tuple[int, SamplerGroup]]] = defaultdict(list)
                 for u, group in claims:
                     by_group[group.name].append((u, group))
-                done: list[Unit] = []
-                for batch in by_group.values():
-                    group = batch[0][1]
-                    model = self._model_for(models, COMPUTE_DTYPES[group.spec.compute_dtype],
-                                            version, weights)
-                    n = cfg.samples_per_prompt
-                    tasks = [task_of(u, cfg.seed, cfg.task_kinds)
-                             for u, _ in batch for _ in range(n)]
-                    t0 = time.perf_counter()
-                    eps = run_episodes(
-                        model, self.tokenizer, tasks, group, version=version,
-                        max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
-                        top_p=cfg.top_p if top else 1.0, top_k=cfg.top_p_max_tokens if top else 0,
-                        top_k_candidates=cfg.candidates, seed=_unit_seed(batch[0][0], cfg.seed))
-                    dt = time.perf_counter() - t0
-                    with self._cond:
-                        self.busy_seconds += dt
-                    done += [Unit(index=u, group=group.name, version=version,
-                                  episodes=eps[i * n:(i + 1) * n], seconds=dt / len(batch))
-                             for i, (u, _) in enumerate(batch)]
+                done = self._generate(list(by_group.values()), version, weights, models)
                 for unit in sorted(done, key=lambda x: x.index):
                     self.results.put(unit)
         except BaseException as exc:  # handed to the trainer thread, which raises it
             self.results.put(_Failure(exc))
+
+    def _generate(self, batches: list[list[tuple[int, SamplerGroup]]], version: int, weights,
+                  models: dict) -> list[Unit]:
+        """Sample the claimed units, one batch per sampler group, with weight `version`."""
+        done: list[Unit] = []
+        for batch in batches:
+            group = batch[0][1]
+            model = model_at(models, self._base, COMPUTE_DTYPES[group.spec.compute_dtype],
+                             version, weights)
+            t0 = time.perf_counter()
+            eps = sample_units(model, self.tokenizer, self.cfg, group,
+                               [u for u, _ in batch], version)
+            dt = time.perf_counter() - t0
+            with self._cond:
+                self.busy_seconds += dt
+            done += split_units(eps, batch, group.name, version, dt, self.cfg.samples_per_prompt)
+        return done
+
+    @property
+    def faults(self) -> dict[str, int]:
+        """Sampler failures survived: restarts and the units (episodes) sampled again."""
+        return {"sampler_restarts": 0, "requeued_units": 0}
 
     def take(self) -> Unit:
         item = self.results.get()
@@ -704,28 +748,60 @@ def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
             "end_reasons": dict(sorted(ends.items()))}
 
 
+class LocalBackend:
+    """Samplers as threads of this process, the trainer in it (`--backend local`)."""
+
+    name = "local"
+
+    def trainer(self, model: torch.nn.Module, cfg: TrainConfig) -> Trainer:
+        return Trainer(model, cfg)
+
+    def pipeline(self, cfg: TrainConfig, groups: list[SamplerGroup], model, tokenizer,
+                 publisher: Publisher, start_unit: int) -> Pipeline:
+        return Pipeline(cfg, groups, model, tokenizer, publisher, start_unit)
+
+    def put(self, weights: dict[str, torch.Tensor]):
+        """A published weight version as the pipeline holds it (here: the tensors)."""
+        return weights
+
+    def close(self) -> None:
+        pass
+
+
 def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | None = None,
         model=None, tokenizer=None, progress: Callable[[dict], None] | None = None,
-        log_alerts: bool = True, monitor_config=None) -> RunResult:
+        log_alerts: bool = True, monitor_config=None, backend=None) -> RunResult:
     """Train `cfg.steps` steps into `out` (see the module docstring). `stop_on`: end the run,
     with a checkpoint, on the first alert of that severity or worse. `monitor_config`: the
-    collapse monitor's rules (probes.monitor.MonitorConfig; its defaults otherwise)."""
+    collapse monitor's rules (probes.monitor.MonitorConfig; its defaults otherwise).
+    `backend`: where the samplers and the trainer run (LocalBackend when None;
+    train.ray_backend.RayBackend for Ray actors). The run owns it: it is closed at the end."""
+    backend = backend or LocalBackend()
+    try:
+        if stop_on not in (None, "warning", "critical"):
+            raise ValueError(f"stop-on must be warning or critical, got {stop_on!r}")
+        out = Path(out)
+        ckpt = check_out(out, resume, cfg)
+        torch.set_num_threads(cfg.threads)
+        if model is None or tokenizer is None:
+            from mismatch.zoo import load_model, load_tokenizer
+
+            model = model or load_model(dtype="bfloat16")
+            tokenizer = tokenizer or load_tokenizer()
+        out.mkdir(parents=True, exist_ok=True)
+        return _run(cfg, out, ckpt, backend, stop_on=stop_on, model=model, tokenizer=tokenizer,
+                    progress=progress, log_alerts=log_alerts, monitor_config=monitor_config)
+    finally:
+        backend.close()
+
+
+def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, model, tokenizer,
+         progress, log_alerts, monitor_config) -> RunResult:
     from probes.monitor import CollapseMonitor
     from probes.sinks import JsonlSink, TerminalSink
 
-    if stop_on not in (None, "warning", "critical"):
-        raise ValueError(f"stop-on must be warning or critical, got {stop_on!r}")
-    out = Path(out)
     metrics_path, alerts_path = out / "metrics.jsonl", out / "alerts.jsonl"
-    ckpt = check_out(out, resume, cfg)
-    torch.set_num_threads(cfg.threads)
-    if model is None or tokenizer is None:
-        from mismatch.zoo import load_model, load_tokenizer
-
-        model = model or load_model(dtype="bfloat16")
-        tokenizer = tokenizer or load_tokenizer()
-    out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(model, cfg)
+    trainer = backend.trainer(model, cfg)
     step, next_unit, discarded = 0, 0, 0
     history: list[dict[str, Any]] = []
     if ckpt is not None:
@@ -735,9 +811,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
             raise ValueError(f"checkpoint {ckpt} is unreadable ({type(exc).__name__}); delete "
                              "it to resume from the one before") from exc
         _check_resume(cfg, state["config"])
-        trainer.master.load_state_dict(state["master"])
-        trainer.opt.load_state_dict(state["optimizer"])
-        trainer._sync_compute()
+        trainer.load(state)
         step, next_unit = int(state["step"]), int(state["next_unit"])
         before = read_metrics(metrics_path)
         claimed = max((r.get("units_claimed", 0) for r in before), default=next_unit)
@@ -756,7 +830,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
         log.info("evaluating the base policy on %d held-out tasks × %d", cfg.eval_tasks,
                  cfg.eval_samples)
         evaluation = {"tasks": cfg.eval_tasks, "samples": cfg.eval_samples,
-                      "base": evaluate(copy.deepcopy(trainer.compute), tokenizer, cfg)}
+                      "base": evaluate(trainer.policy(), tokenizer, cfg)}
         _write_atomic(eval_path, json.dumps(evaluation, indent=2) + "\n")
 
     groups = fleet(cfg.fleet)
@@ -764,9 +838,10 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
     for rec in history:  # rebuild baselines and debouncing state from the kept log
         monitor.update(rec)
     monitor.sinks = [JsonlSink(alerts_path)] + ([TerminalSink()] if log_alerts else [])
+    older = state.get("older_versions") if ckpt is not None else None
     publisher = Publisher(step, trainer.published(), keep=cfg.lag,
-                          history=state.get("older_versions") if ckpt is not None else None)
-    pipe = Pipeline(cfg, groups, model, tokenizer, publisher, next_unit)
+                          history={v: backend.put(w) for v, w in (older or {}).items()})
+    pipe = backend.pipeline(cfg, groups, model, tokenizer, publisher, next_unit)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     result = RunResult(out=out, steps_done=step, resumed_from=step if ckpt else None,
                        discarded_units=discarded)
@@ -788,6 +863,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
                         continue
                     units.append(unit)
                 waited = time.perf_counter() - t0
+                depth = pipe.results.qsize()
                 units.sort(key=lambda x: x.index)
                 t1 = time.perf_counter()
                 batch = build_batch(units, step, pad_id)
@@ -801,6 +877,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
                 wall = time.perf_counter() - t0
                 rec = _record(step, units, batch, m, waited=waited, train_s=train_s, wall=wall,
                               stale_dropped=stale_dropped, claimed=pipe.cursor)
+                rec.update(queue_depth=depth, backend=backend.name, **pipe.faults)
                 if step == (result.resumed_from or 0) + 1 and result.resumed_from is not None:
                     rec["resumed_discarded_units"] = discarded
                 mfile.write(json.dumps(rec) + "\n")
@@ -812,7 +889,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
                 stop_now = stop_on is not None and any(
                     a.severity == "critical" or stop_on == "warning" for a in alerts)
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop_now:
-                    save_checkpoint(out, step, trainer, consumed_max + 1, cfg, publisher.older())
+                    trainer.save(out, step, consumed_max + 1, publisher.older())
                     last_ckpt = step
                 if stop_now:
                     worst = max(alerts, key=lambda a: a.severity == "critical")
@@ -820,18 +897,17 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
                                       f"{worst.step}")
                     break
             if last_ckpt != step:
-                save_checkpoint(out, step, trainer, consumed_max + 1, cfg, publisher.older())
+                trainer.save(out, step, consumed_max + 1, publisher.older())
     finally:
         pipe.stop()
         monitor.close()
     result.steps_done = step
     if cfg.eval_tasks:
         log.info("evaluating the trained policy (step %d)", step)
-        evaluation["final"] = dict(evaluate(copy.deepcopy(trainer.compute), tokenizer, cfg),
-                                   step=step)
+        evaluation["final"] = dict(evaluate(trainer.policy(), tokenizer, cfg), step=step)
         _write_atomic(eval_path, json.dumps(evaluation, indent=2) + "\n")
     result.evaluation = evaluation
-    _save_final(out, trainer, tokenizer)
+    _save_final(out, trainer.policy(), tokenizer)
     return result
 
 
@@ -844,6 +920,11 @@ def _record(step: int, units: list[Unit], batch: Batch, m: dict[str, Any], *, wa
     by_group: dict[str, list[float]] = defaultdict(list)
     for ep, g in zip(eps, batch.groups):
         by_group[g].append(ep.reward)
+    # per group: tokens sampled over the seconds its samplers spent generating them
+    gen: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for u in units:
+        gen[u.group][0] += sum(sum(ep.sampled_mask) for ep in u.episodes)
+        gen[u.group][1] += u.seconds
     rec = {
         "step": step,
         "reward": sum(ep.reward for ep in eps) / len(eps),
@@ -861,6 +942,8 @@ def _record(step: int, units: list[Unit], batch: Batch, m: dict[str, Any], *, wa
         "response_length": sampled / len(eps),
         "group_kl": m["group_kl"],
         "group_reward": {g: sum(v) / len(v) for g, v in sorted(by_group.items())},
+        "group_tokens_per_s": {g: tok / sec if sec > 0 else None
+                               for g, (tok, sec) in sorted(gen.items())},
         "end_reasons": dict(sorted(ends.items())),
         "loss": m["loss"],
         "ratio_p05": m["ratio_p05"], "ratio_p50": m["ratio_p50"], "ratio_p95": m["ratio_p95"],
@@ -878,9 +961,9 @@ def _record(step: int, units: list[Unit], batch: Batch, m: dict[str, Any], *, wa
     return rec
 
 
-def _save_final(out: Path, trainer: Trainer, tokenizer) -> None:
+def _save_final(out: Path, policy: torch.nn.Module, tokenizer) -> None:
     from mismatch.report import atomic_directory
 
     with atomic_directory(Path(out) / "final") as tmp:
-        trainer.compute.save_pretrained(tmp)
+        policy.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

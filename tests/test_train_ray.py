@@ -1,0 +1,186 @@
+"""`mismatch train --backend ray`: a real local Ray (2 CPUs, every listener on 127.0.0.1), the
+sampler groups and the trainer as actors, against the local backend; a sampler actor killed with
+SIGKILL mid-run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install 'mismatch[ray]')")
+
+from train.ray_backend import RayBackend, sampler_resources, start_ray  # noqa: E402
+from train.fleet import fleet  # noqa: E402
+from train.trainer import preset_config, read_metrics, run  # noqa: E402
+
+# sync on the one-group fleet: step s samples units [sP, (s+1)P) with version s, one batch —
+# the same computation on both backends
+SYNC = dict(fleet="homogeneous", sync=True, tasks="arith", prompts_per_step=2,
+            samples_per_prompt=8, max_new_tokens=40, eval_tasks=0, checkpoint_every=10)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from mismatch.zoo import load_model
+
+    return load_model(dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from mismatch.zoo import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the in-process tests (backends reuse it and leave it up)."""
+    session = start_ray(num_cpus=2)
+    yield session
+    session.close()
+
+
+@pytest.fixture(scope="module")
+def local_sync(tmp_path_factory, model, tok):
+    out = tmp_path_factory.mktemp("local-sync")
+    run(preset_config("smoke", steps=3, **SYNC), out, model=model, tokenizer=tok,
+        log_alerts=False)
+    return read_metrics(out / "metrics.jsonl")
+
+
+def _ray_pids() -> set[int]:
+    me = psutil.Process()
+    return {p.pid for p in me.children(recursive=True)} | {me.pid}
+
+
+def test_every_ray_listener_is_on_loopback(ray_session):
+    import ray
+
+    ray.get(ray.remote(lambda: 1).remote())  # a worker up too
+    pids = _ray_pids()
+    listening = [c for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert len(listening) >= 4, listening  # GCS, raylet, dashboard, a worker at least
+    loopback = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+    assert {c.laddr.ip for c in listening} <= loopback, listening
+    assert ray_session.dashboard_url and ray_session.dashboard_url.startswith("127.0.0.1:")
+
+
+def test_sync_first_step_matches_the_local_backend(ray_session, local_sync, tmp_path, model,
+                                                   tok):
+    out = tmp_path / "ray"
+    run(preset_config("smoke", steps=1, **SYNC), out, model=model, tokenizer=tok,
+        log_alerts=False, backend=RayBackend())
+    (first,) = read_metrics(out / "metrics.jsonl")
+    ref = local_sync[0]
+    assert first["backend"] == "ray" and ref["backend"] == "local"
+    assert ref["loss"] != 0.0  # rewards differ within the groups: a real policy gradient
+    assert first["units"] == ref["units"] == [0, 1]
+    assert first["reward"] == ref["reward"]
+    assert first["loss"] == pytest.approx(ref["loss"], rel=1e-6, abs=1e-9)
+    assert first["kl"] == pytest.approx(ref["kl"], rel=1e-6)
+    assert first["group_tokens_per_s"].keys() == {"b200-bf16"}
+
+
+def test_killed_sampler_actor_is_restarted_and_nothing_is_lost(ray_session, local_sync,
+                                                               tmp_path, model, tok, caplog):
+    import ray
+
+    backend = RayBackend(replicas=2)
+    seen: dict[str, int] = {}
+
+    def kill_during_step_2(rec):
+        if rec["step"] != 1:
+            return
+        pipe = backend.pipe
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # step 2's units are being sampled
+            busy = [key for key, n in list(pipe.inflight.items()) if n > 0]
+            if busy:
+                break
+            time.sleep(0.005)
+        assert busy, "no sampling call in flight after step 1"
+        group, i = busy[0]
+        seen["pid"] = pipe.pids[(group, i)]
+        os.kill(seen["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while "restarted_pid" not in seen:  # Ray restarts it (calls fail until it is back)
+            try:
+                seen["restarted_pid"] = pipe.actor_pid(group, i)
+            except ray.exceptions.RayActorError:
+                assert time.monotonic() < deadline, "the killed actor was not restarted"
+                time.sleep(0.2)
+
+    out = tmp_path / "killed"
+    with caplog.at_level(logging.WARNING, logger="mismatch.train"):
+        run(preset_config("smoke", steps=3, **SYNC), out, model=model, tokenizer=tok,
+            log_alerts=False, backend=backend, progress=kill_during_step_2)
+    recs = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert seen["restarted_pid"] != seen["pid"]
+    assert recs[0]["sampler_restarts"] == 0 and recs[0]["requeued_units"] == 0
+    assert recs[-1]["sampler_restarts"] == 1
+    assert recs[-1]["requeued_units"] == 2  # step 2's two units, sampled again
+    assert any("died" in m for m in caplog.messages)
+    assert any("re-queued 2 unit(s) (16 episodes)" in m for m in caplog.messages)
+    # every unit consumed exactly once, in order, and sampled again to the same trajectories
+    assert [u for r in recs for u in r["units"]] == list(range(6))
+    for got, ref in zip(recs, local_sync):
+        assert got["reward"] == ref["reward"]
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6, abs=1e-9)
+
+
+def test_smoke_run_on_ray_has_the_local_metrics_keys_and_leaves_home_alone(tmp_path):
+    """The CLI end to end (a Ray of its own, started and stopped), HOME an empty directory."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(os.environ, HOME=str(home))
+    for key in [k for k in env if k.startswith("RAY_")]:
+        del env[key]
+    outs = {}
+    for backend in ("local", "ray"):
+        outs[backend] = tmp_path / backend
+        proc = subprocess.run([sys.executable, "-m", "mismatch.cli", "train", "--preset",
+                               "smoke", "--backend", backend, "--out", str(outs[backend]),
+                               "--quiet"], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    local, remote = (read_metrics(outs[b] / "metrics.jsonl") for b in ("local", "ray"))
+    assert len(local) == len(remote) == 3
+    assert [set(r) for r in remote] == [set(r) for r in local]
+    assert {r["backend"] for r in remote} == {"ray"}
+    assert all(r["queue_depth"] >= 0 and r["sampler_restarts"] == 0 for r in remote)
+    assert (outs["ray"] / "final" / "config.json").exists()
+    assert json.loads((outs["ray"] / "config.json").read_text())["fleet"] == "mixed"
+    assert list(home.iterdir()) == []
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if any(str(outs["ray"]) in a for a in (p.info["cmdline"] or []))]
+
+
+def test_bad_ray_input_is_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "mismatch.cli", "train", "--preset", "smoke",
+           "--out", str(tmp_path / "x")]
+    for extra, needle in ((["--backend", "ray", "--replicas", "0"], "replicas must be"),
+                          (["--backend", "ray", "--placement", "tpu"], "unknown placement"),
+                          (["--replicas", "2"], "options of --backend ray"),
+                          (["--backend", "slurm"], "--backend must be local or ray")):
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (extra, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_gpu_placement_asks_for_the_groups_gpu_type():
+    groups = {g.name: g for g in fleet("mixed")}
+    opts = sampler_resources(groups["h100-fp8"], "gpu", 0.5)
+    assert opts == {"num_cpus": 1, "num_gpus": 1, "accelerator_type": "H100"}
+    assert sampler_resources(groups["b200-nvfp4"], "gpu", 0.5)["accelerator_type"] == "B200"
+    assert sampler_resources(groups["a100-bf16"], "cpu", 0.25) == {"num_cpus": 0.25}
