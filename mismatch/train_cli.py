@@ -58,6 +58,12 @@ def train_command(
                                           "(e.g. 10.0.0.1:6379 or auto) instead of starting a "
                                           "local Ray with this machine's CPUs."),
     replicas: int = typer.Option(1, "--replicas", help="Ray: sampler actors per group."),
+    trainer_ranks: int = typer.Option(1, "--trainer-ranks", help="Ray: trainer actors; N > 1 "
+                                      "shards the trainer with FSDP2 over N ranks."),
+    weights_dir: Optional[Path] = typer.Option(None, "--weights-dir", help="Ray: publish "
+                                               "weight versions as files in this directory "
+                                               "(a path every node sees) instead of through "
+                                               "the object store."),
     placement: str = typer.Option("cpu", "--placement", help="Ray: cpu (each actor a share of "
                                   "the CPUs) | gpu (each sampler one GPU of its group's type, "
                                   "by Ray's accelerator_type label)."),
@@ -81,14 +87,16 @@ def train_command(
             raise ValueError(f"--stop-on must be warning or critical, got {stop_on!r}")
         if backend not in ("local", "ray"):
             raise ValueError(f"--backend must be local or ray, got {backend!r}")
-        if backend == "local" and (address or replicas != 1 or placement != "cpu"):
-            raise ValueError("--address, --replicas and --placement are options of "
-                             "--backend ray")
+        if backend == "local" and (address or replicas != 1 or placement != "cpu"
+                                   or trainer_ranks != 1 or weights_dir):
+            raise ValueError("--address, --replicas, --trainer-ranks, --weights-dir and "
+                             "--placement are options of --backend ray")
         engine = None
         if backend == "ray":
             from train.ray_backend import RayBackend
 
-            engine = RayBackend(address, replicas=replicas, placement=placement)
+            engine = RayBackend(address, replicas=replicas, trainer_ranks=trainer_ranks,
+                                placement=placement, weights_dir=weights_dir)
     except ValueError as exc:
         fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

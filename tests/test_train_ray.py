@@ -139,6 +139,33 @@ def test_killed_sampler_actor_is_restarted_and_nothing_is_lost(ray_session, loca
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6, abs=1e-9)
 
 
+def test_fsdp2_trainer_ranks_on_a_shared_weights_path_step_as_one_trainer_and_resume(ray_session, local_sync, tmp_path,
+                                                             model, tok):
+    out, shared = tmp_path / "fsdp", tmp_path / "weights"
+    cfg = preset_config("smoke", steps=2, **SYNC)
+    run(cfg, out, model=model, tokenizer=tok, log_alerts=False,
+        backend=RayBackend(trainer_ranks=2, weights_dir=shared))
+    # versions 0, 1, 2 and the final export went through the shared path, the newest kept
+    files = sorted(p.name for p in shared.iterdir())
+    assert files and all(f.startswith("v-") and f.endswith(".safetensors") for f in files)
+    assert files[-1] == "v-00000003.safetensors" and len(files) <= 5
+    recs = read_metrics(out / "metrics.jsonl")
+    # step 1: the same weights score the same episodes, split over two ranks (BF16 forward)
+    assert recs[0]["reward"] == local_sync[0]["reward"]
+    assert recs[0]["loss"] == pytest.approx(local_sync[0]["loss"], rel=1e-3, abs=1e-6)
+    assert recs[0]["kl"] == pytest.approx(local_sync[0]["kl"], rel=1e-3)
+    assert recs[0]["sampled_tokens"] == local_sync[0]["sampled_tokens"]
+    # step 2 samples with the FSDP2 trainer's first update: close to the local one's
+    assert recs[1]["kl"] == pytest.approx(local_sync[1]["kl"], rel=0.2)
+    # its full-state checkpoint resumes on two ranks, and a one-rank resume is refused
+    run(preset_config("smoke", steps=3, **SYNC), out, resume=True, model=model, tokenizer=tok,
+        log_alerts=False, backend=RayBackend(trainer_ranks=2))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    with pytest.raises(ValueError, match="2-rank trainer"):
+        run(preset_config("smoke", steps=4, **SYNC), out, resume=True, model=model,
+            tokenizer=tok, log_alerts=False)
+
+
 def test_smoke_run_on_ray_has_the_local_metrics_keys_and_leaves_home_alone(tmp_path):
     """The CLI end to end (a Ray of its own, started and stopped), HOME an empty directory."""
     home = tmp_path / "home"

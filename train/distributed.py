@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .trainer import Batch, TrainConfig, batch_loss
+from .trainer import Batch, TrainConfig, batch_loss, entropy
 
 __all__ = ["setup", "shard_rows", "ShardedTrainer"]
 
@@ -72,6 +72,13 @@ class ShardedTrainer:
         self.cfg = cfg
         self.model = copy.deepcopy(model).float()
         self.model.train()
+        # buffers (the rotary frequencies) in the compute dtype, as the single-process trainer's
+        # cast has them: FSDP's policy casts parameters only, and RoPE in FP32 instead of BF16
+        # moves the log-probs by more than the sampler–trainer gap of a BF16 sampler
+        for module in self.model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.is_floating_point():
+                    module._buffers[key] = buf.to(compute_dtype)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in self.model.model.layers:
             fully_shard(layer, mp_policy=policy)
@@ -79,11 +86,12 @@ class ShardedTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
                                      weight_decay=0.0)
 
-    def step(self, batch: Batch) -> dict[str, float]:
+    def step(self, batch: Batch, details: bool = False):
         """One step on this rank's rows (`shard_rows`); returns the global loss, gradient norm
-        and token count (the same on every rank)."""
+        and token count (the same on every rank); with `details`, also this rank's
+        (log π of its tokens [b, T], of their candidates [b, T, K], entropy [b, T-1])."""
         world = dist.get_world_size()
-        loss, m, *_ = batch_loss(self.model, batch, self.cfg.correction)
+        loss, m, lsm, logp, cand, _ = batch_loss(self.model, batch, self.cfg.correction)
         local = torch.tensor([float(m["valid_tokens"]), 0.0])
         local[1] = loss.detach().float() * local[0]
         total = local.clone()
@@ -97,8 +105,32 @@ class ShardedTrainer:
         if torch.isfinite(grad_norm):
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"loss": float(total[1]) / max(tokens, 1.0), "grad_norm": float(grad_norm),
-                "valid_tokens": tokens}
+        out = {"loss": float(total[1]) / max(tokens, 1.0), "grad_norm": float(grad_norm),
+               "valid_tokens": tokens}
+        if not details:
+            return out
+        with torch.no_grad():
+            return out, (logp.detach(), cand.detach(), entropy(lsm.detach()))
+
+    def state(self) -> dict[str, Any]:
+        """The whole FP32 master and AdamW state (keyed by parameter name), gathered to CPU on
+        rank 0 (a collective; the other ranks get empty dicts)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        master, optim = get_state_dict(self.model, self.opt, options=opts)
+        return {"master": master, "optimizer": optim, "trainer_ranks": dist.get_world_size()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint written by `state` (every rank gets the whole state)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        from .trainer import check_ranks
+
+        check_ranks(state, dist.get_world_size())
+        set_state_dict(self.model, self.opt, model_state_dict=state["master"],
+                       optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole FP32 master, gathered (a collective: every rank must call it)."""

@@ -11,10 +11,17 @@ driver; what moves into actors is the work:
   per unit) per call, with the weight version it is told to use.
 - **The trainer actor** holds the FP32 master and AdamW, takes the steps and writes the
   checkpoints (to `out`, which must be a path the trainer's node can write: a shared filesystem
-  on a cluster).
+  on a cluster). With `trainer_ranks` N > 1 the trainer is N actors forming one torch.distributed
+  process group (gloo on CPU, NCCL on GPUs; rank 0's node holds the rendezvous) around
+  train.distributed.ShardedTrainer (FSDP2): each rank steps on its rows of the batch with the
+  global token count as the loss's denominator, and rank 0 gathers the ranks' log-probs for the
+  step's metrics, publishes the gathered BF16 weights and writes the checkpoints (full state).
 - **Weights** go through Ray's object store: each published version is the return value of one
   trainer call (stored once, by reference); the driver passes the reference on without reading
-  it, and a sampler fetches a version only when its cached one differs.
+  it, and a sampler fetches a version only when its cached one differs. With `weights_dir` (a
+  path every node sees, for models too large for the object store) the trainer writes each
+  version there as safetensors (temporary name, then renamed; the newest few kept) and the
+  object store carries only its path.
 - **Trajectories** come back as the return values of the sampling calls into the driver's queue.
   Units are claimed only while fewer than `queue_steps` steps' worth are claimed and not yet
   consumed (or as the staleness gate allows), so the queue — in flight plus finished — is
@@ -160,6 +167,33 @@ def sampler_resources(group: SamplerGroup, placement: str, cpu_share: float) -> 
     raise ValueError(f"unknown placement {placement!r}; placements: {', '.join(PLACEMENTS)}")
 
 
+def write_version(weights_dir: str, weights: dict[str, torch.Tensor], keep: int) -> str:
+    """Publish `weights` as the next file of `weights_dir` (a path every node sees): written to a
+    temporary name and renamed; the newest `keep` files are kept. Returns its path."""
+    from safetensors.torch import save_file
+
+    root = Path(weights_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    done = sorted(root.glob("v-*.safetensors"))
+    seq = int(done[-1].stem.split("-")[1]) + 1 if done else 0
+    path = root / f"v-{seq:08d}.safetensors"
+    tmp = root / f".{path.name}.tmp-{os.getpid()}"
+    save_file({n: w.contiguous() for n, w in weights.items()}, str(tmp))
+    os.replace(tmp, path)
+    for old in done[:max(0, len(done) + 1 - keep)]:
+        old.unlink(missing_ok=True)
+    return str(path)
+
+
+def read_version(published) -> dict[str, torch.Tensor]:
+    """The weights of a published version: the state dict itself, or the file it names."""
+    if isinstance(published, str):
+        from safetensors.torch import load_file
+
+        return load_file(published)
+    return published
+
+
 # ---------------------------------------------------------------------------------------------
 # the actors (plain classes; ray.remote is applied when a backend starts, so importing this
 # module does not need Ray)
@@ -189,7 +223,7 @@ class SamplerActor:
         cached version differs) and the seconds spent sampling them."""
         ray = _ray()
         model = model_at(self.models, self.base, COMPUTE_DTYPES[self.group.spec.compute_dtype],
-                         version, lambda: ray.get(weights[0]))
+                         version, lambda: read_version(ray.get(weights[0])))
         t0 = time.perf_counter()
         eps = sample_units(model, self.tokenizer, self.cfg, self.group, units, version)
         dt = time.perf_counter() - t0
@@ -200,24 +234,100 @@ class SamplerActor:
 class TrainerActor:
     """The trainer: FP32 master and AdamW, corrected GRPO steps, checkpoints."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, weights_dir: str | None = None, keep: int = 0) -> None:
         model, _ = _load(cfg)
         self.trainer = Trainer(model, cfg)
+        self.weights_dir, self.keep = weights_dir, keep
 
     def step(self, batch) -> dict[str, Any]:
         return self.trainer.step(batch)
 
-    def published(self) -> dict[str, torch.Tensor]:
-        return self.trainer.published()
+    def published(self):
+        weights = self.trainer.published()
+        return write_version(self.weights_dir, weights, self.keep) if self.weights_dir \
+            else weights
 
     def load(self, state: dict[str, Any]) -> None:
         self.trainer.load(state)
 
     def save(self, out: str, step: int, next_unit: int, older: dict[int, list]) -> str:
         ray = _ray()
-        held = {v: ray.get(box[0]) for v, box in older.items()}
+        held = {v: read_version(ray.get(box[0])) for v, box in older.items()}
         return str(save_checkpoint(Path(out), step, self.trainer, next_unit, self.trainer.cfg,
                                    held))
+
+
+class ShardedTrainerActor:
+    """One rank of the FSDP2 trainer (train.distributed.ShardedTrainer) over `world` actors:
+    each steps on its rows of the batch; rank 0 gathers the ranks' log-probs for the step's
+    metrics, publishes the gathered BF16 weights and writes the checkpoints."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, weights_dir: str | None = None,
+                 keep: int = 0) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.weights_dir, self.keep = weights_dir, keep
+        self.base, _ = _load(cfg)
+        self.trainer = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port on it (rank 0: the process group's store)."""
+        import socket
+
+        ip = _ray().util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((ip, 0))
+            return ip, sock.getsockname()[1]
+
+    def join(self, addr: str, port: int) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from .distributed import ShardedTrainer
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    init_method=f"tcp://{addr}:{port}", rank=self.rank,
+                                    world_size=self.world, timeout=timedelta(minutes=5))
+        self.trainer = ShardedTrainer(self.base, self.cfg)
+
+    def step(self, batch):
+        import torch.distributed as dist
+
+        from .distributed import shard_rows
+        from .trainer import arm_loss, step_metrics
+
+        out, mine = self.trainer.step(shard_rows(batch, self.rank, self.world), details=True)
+        parts = [None] * self.world
+        dist.all_gather_object(parts, mine)
+        if self.rank != 0:
+            return None
+        logp, cand, ent = (torch.cat([p[i] for p in parts]) for i in range(3))
+        with torch.no_grad():
+            _, m, mask = arm_loss(logp, cand, batch, self.cfg.correction)
+        res = step_metrics(m, ent, logp, cand, batch, mask)
+        res.update(loss=out["loss"], grad_norm=out["grad_norm"],
+                   skipped_nonfinite=not math.isfinite(out["grad_norm"]))
+        return res
+
+    def published(self):
+        state = self.trainer.full_state_dict()  # a collective: every rank
+        if self.rank != 0:
+            return None
+        weights = {n: v.to(torch.bfloat16) for n, v in state.items()}
+        return write_version(self.weights_dir, weights, self.keep) if self.weights_dir \
+            else weights
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.trainer.load(state)
+
+    def save(self, out: str, step: int, next_unit: int, older: dict[int, list]) -> str | None:
+        state = self.trainer.state()  # a collective: every rank
+        if self.rank != 0:
+            return None
+        ray = _ray()
+        held = {v: read_version(ray.get(box[0])) for v, box in older.items()}
+        return str(save_checkpoint(Path(out), step, state, next_unit, self.cfg, held))
 
 
 class BackendError(RuntimeError):
@@ -226,41 +336,55 @@ class BackendError(RuntimeError):
 
 
 class RemoteTrainer:
-    """The driver's handle on the trainer actor, with the local Trainer's interface (published
-    weights are object references)."""
+    """The driver's handle on the trainer actor(s) — one, or the ranks of an FSDP2 trainer —
+    with the local Trainer's interface (published weights are object references). Every call
+    goes to every rank in the same order (their collectives pair up); rank 0 answers."""
 
-    def __init__(self, actor, base: torch.nn.Module) -> None:
-        self.actor, self.base = actor, base
+    def __init__(self, actors: list, base: torch.nn.Module) -> None:
+        self.actors, self.base = actors, base
 
-    def _get(self, ref, what: str):
+    def _all(self, method: str, *args, what: str):
         ray = _ray()
+        pending = [getattr(a, method).remote(*args) for a in self.actors]
+        first, rest = pending[0], list(pending)
         try:
-            return ray.get(ref)
+            while rest:  # a dead rank fails the call at once (the others would wait for it)
+                ready, rest = ray.wait(rest, num_returns=1)
+                ray.get(ready[0])
+            return ray.get(first)
         except ray.exceptions.RayActorError as exc:
-            raise BackendError(f"the trainer actor died during {what} "
-                              f"({type(exc).__name__}); resume the run with --resume from its "
-                              "newest checkpoint") from None
+            raise BackendError(f"a trainer actor died during {what} ({type(exc).__name__}); "
+                               "resume the run with --resume from its newest checkpoint") \
+                from None
 
     def step(self, batch) -> dict[str, Any]:
-        return self._get(self.actor.step.remote(batch), "a step")
+        return self._all("step", _ray().put(batch), what="a step")
 
     def published(self):
-        return self.actor.published.remote()
+        refs = [a.published.remote() for a in self.actors]
+        return refs[0]
 
     def load(self, state: dict[str, Any]) -> None:
-        self._get(self.actor.load.remote(state), "the resume")
+        from .trainer import check_ranks
+
+        check_ranks(state, len(self.actors))
+        self._all("load", _ray().put(state), what="the resume")
 
     def policy(self) -> torch.nn.Module:
         import copy
 
+        ray = _ray()
         model = copy.deepcopy(self.base)
-        model.load_state_dict(self._get(self.published(), "an export"))
+        try:
+            model.load_state_dict(read_version(ray.get(self.published())))
+        except ray.exceptions.RayActorError as exc:
+            raise BackendError(f"the trainer actor died during an export "
+                               f"({type(exc).__name__}); resume the run with --resume") from None
         return model
 
     def save(self, out: Path, step: int, next_unit: int, older: dict | None = None) -> Path:
         boxed = {v: [ref] for v, ref in (older or {}).items()}
-        return Path(self._get(self.actor.save.remote(str(out), step, next_unit, boxed),
-                              "a checkpoint"))
+        return Path(self._all("save", str(out), step, next_unit, boxed, what="a checkpoint"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,10 +491,14 @@ class RayBackend:
     name = "ray"
 
     def __init__(self, address: str | None = None, *, replicas: int = 1,
-                 placement: str = "cpu", num_cpus: int | None = None,
-                 dashboard: bool = True) -> None:
+                 trainer_ranks: int = 1, placement: str = "cpu", num_cpus: int | None = None,
+                 dashboard: bool = True, weights_dir: str | Path | None = None) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if trainer_ranks < 1:
+            raise ValueError(f"trainer-ranks must be >= 1, got {trainer_ranks}")
+        self.trainer_ranks = trainer_ranks
+        self.weights_dir = str(weights_dir) if weights_dir else None
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {placement!r}; placements: "
                              f"{', '.join(PLACEMENTS)}")
@@ -385,17 +513,29 @@ class RayBackend:
 
     def trainer(self, model: torch.nn.Module, cfg: TrainConfig) -> RemoteTrainer:
         ray = _ray()
-        n = 1 + self.replicas * len(fleet(cfg.fleet))
+        n = self.trainer_ranks + self.replicas * len(fleet(cfg.fleet))
         opts: dict[str, Any] = ({"num_cpus": self._cpu_share(n)} if self.placement == "cpu"
                                 else {"num_cpus": 1, "num_gpus": 1})
-        actor = ray.remote(TrainerActor).options(max_restarts=0, **opts).remote(cfg)
-        self._actors.append(actor)
-        return RemoteTrainer(actor, model)
+        # versions a sampler may still be about to read: the lag, the claims ahead, margin
+        keep = cfg.lag + cfg.queue_steps + (cfg.max_staleness or 0) + 3
+        if self.trainer_ranks == 1:
+            actors = [ray.remote(TrainerActor).options(max_restarts=0, **opts)
+                      .remote(cfg, self.weights_dir, keep)]
+        else:
+            world = self.trainer_ranks
+            remote = ray.remote(ShardedTrainerActor).options(max_restarts=0, **opts)
+            actors = [remote.remote(cfg, r, world, self.weights_dir, keep)
+                      for r in range(world)]
+            addr, port = ray.get(actors[0].address.remote())
+            ray.get([a.join.remote(addr, port) for a in actors])
+            log.info("ray: FSDP2 trainer over %d rank actors (store %s:%d)", world, addr, port)
+        self._actors += actors
+        return RemoteTrainer(actors, model)
 
     def pipeline(self, cfg: TrainConfig, groups: list[SamplerGroup], model, tokenizer,
                  publisher: Publisher, start_unit: int) -> RayPipeline:
         ray = _ray()
-        share = self._cpu_share(1 + self.replicas * len(groups))
+        share = self._cpu_share(self.trainer_ranks + self.replicas * len(groups))
         remote = ray.remote(SamplerActor)
         actors: dict[str, list] = {}
         for g in groups:
@@ -416,6 +556,10 @@ class RayBackend:
         return self.pipe
 
     def put(self, weights: dict[str, torch.Tensor]):
+        """A weight version held by the driver (a resume's older versions) as the pipeline
+        holds published ones."""
+        if self.weights_dir:
+            return _ray().put(write_version(self.weights_dir, weights, keep=1 << 30))
         return _ray().put(weights)
 
     def close(self) -> None:

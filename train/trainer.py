@@ -303,7 +303,6 @@ def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
     """The arm's loss of `batch` under `model` (teacher-forced, FP32 log-softmax of its logits):
     (loss — a mean over the batch's valid tokens —, the loss's metrics, log-softmax [B, T-1, V],
     log π of each token [B, T], log π of each candidate [B, T, K], the sampled-token mask)."""
-    arm = ARMS[correction]
     logits = model(input_ids=batch.ids, attention_mask=batch.attention,
                    use_cache=False).logits.float()
     lsm = torch.log_softmax(logits[:, :-1], dim=-1)                      # predicts t+1
@@ -313,6 +312,14 @@ def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
     cand = torch.cat([torch.zeros_like(batch.cand_ids[:, :1], dtype=torch.float32)
                       .expand(-1, -1, batch.cand_ids.shape[-1]),
                       lsm.gather(-1, batch.cand_ids[:, 1:])], dim=1)
+    loss, m, mask = arm_loss(logp, cand, batch, correction)
+    return loss, m, lsm, logp, cand, mask
+
+
+def arm_loss(logp: torch.Tensor, cand: torch.Tensor, batch: Batch, correction: str):
+    """The arm's loss given the trainer's log π of each token [B, T] and of each candidate
+    [B, T, K]: (loss, its metrics, the sampled-token mask it averaged over)."""
+    arm = ARMS[correction]
     mask = batch.mask.clone()
     mask[:, 0] = False
     kwargs = {}
@@ -322,7 +329,37 @@ def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
             kwargs["support_mask"] = batch.support
     loss, m = policy_loss(logp, batch.sampler_logp, batch.advantages, mask, arm=correction,
                           **kwargs)
-    return loss, m, lsm, logp, cand, mask
+    return loss, m, mask
+
+
+def entropy(lsm: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy [B, T-1] of a log-softmax [B, T-1, V]."""
+    return -(lsm.exp() * lsm).sum(-1)
+
+
+def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Tensor,
+                 batch: Batch, mask: torch.Tensor) -> dict[str, Any]:
+    """A step's numerics metrics from the loss's metrics `m`, the trainer's entropy [B, T-1] and
+    log-probs (tokens [B, T], candidates [B, T, K]) of the whole batch."""
+    valid = mask & torch.isfinite(batch.sampler_logp)
+    kl = kl_estimators(logp, batch.sampler_logp, valid)
+    ent_mean = float(ent[valid[:, 1:]].mean()) if valid.any() else float("nan")
+    per_group: dict[str, float] = {}
+    for g in sorted(set(batch.groups)):
+        rows = torch.tensor([x == g for x in batch.groups])
+        gm = valid & rows[:, None]
+        per_group[g] = float(kl_estimators(logp, batch.sampler_logp, gm)["kl_k3"])
+    out = {"kl": float(kl["kl_k3"]), "kl_k1": float(kl["kl_k1"]),
+           "mis_masked_fraction": float(m["mis_masked_fraction"]),
+           "ratio_p05": float(m["ratio_p05"]), "ratio_p50": float(m["ratio_p50"]),
+           "ratio_p95": float(m["ratio_p95"]), "entropy": ent_mean, "group_kl": per_group,
+           "valid_tokens": int(m["valid_tokens"])}
+    out["sc_tail_ratio"] = (float(m["sc_tail_ratio"]) if "sc_tail_ratio" in m
+                            else sc_tail_ratio(cand, batch.cand_sampler_logp, valid))
+    for key in ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer"):
+        if key in m:
+            out[key] = float(m[key])
+    return out
 
 
 class Trainer:
@@ -349,8 +386,14 @@ class Trainer:
         """The BF16 weights samplers load (a copy: safe to hand to other threads)."""
         return {n: p.detach().clone() for n, p in self.compute.state_dict().items()}
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint holds of the trainer (`trainer_ranks` 1: AdamW state by index)."""
+        return {"master": self.master.state_dict(), "optimizer": self.opt.state_dict(),
+                "trainer_ranks": 1}
+
     def load(self, state: dict[str, Any]) -> None:
         """Restore the FP32 master and AdamW state of a checkpoint."""
+        check_ranks(state, 1)
         self.master.load_state_dict(state["master"])
         self.opt.load_state_dict(state["optimizer"])
         self._sync_compute()
@@ -378,31 +421,9 @@ class Trainer:
                 self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self._sync_compute()
-            out = self._metrics(m, lsm, logp.detach(), cand.detach(), batch, mask)
+            out = step_metrics(m, entropy(lsm), logp.detach(), cand.detach(), batch, mask)
         out.update(loss=float(loss.detach()), grad_norm=float(grad_norm),
                    skipped_nonfinite=not bool(torch.isfinite(grad_norm)))
-        return out
-
-    def _metrics(self, m, lsm, logp, cand, batch: Batch, mask) -> dict[str, Any]:
-        valid = mask & torch.isfinite(batch.sampler_logp)
-        kl = kl_estimators(logp, batch.sampler_logp, valid)
-        ent = -(lsm.exp() * lsm).sum(-1)                                    # [B, T-1]
-        ent_mean = float(ent[valid[:, 1:]].mean()) if valid.any() else float("nan")
-        per_group: dict[str, float] = {}
-        for g in sorted(set(batch.groups)):
-            rows = torch.tensor([x == g for x in batch.groups])
-            gm = valid & rows[:, None]
-            per_group[g] = float(kl_estimators(logp, batch.sampler_logp, gm)["kl_k3"])
-        out = {"kl": float(kl["kl_k3"]), "kl_k1": float(kl["kl_k1"]),
-               "mis_masked_fraction": float(m["mis_masked_fraction"]),
-               "ratio_p05": float(m["ratio_p05"]), "ratio_p50": float(m["ratio_p50"]),
-               "ratio_p95": float(m["ratio_p95"]), "entropy": ent_mean, "group_kl": per_group,
-               "valid_tokens": int(m["valid_tokens"])}
-        out["sc_tail_ratio"] = (float(m["sc_tail_ratio"]) if "sc_tail_ratio" in m
-                                else sc_tail_ratio(cand, batch.cand_sampler_logp, valid))
-        for key in ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer"):
-            if key in m:
-                out[key] = float(m[key])
         return out
 
 
@@ -628,17 +649,19 @@ def latest_checkpoint(out: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(out: Path, step: int, trainer: Trainer, next_unit: int,
+def save_checkpoint(out: Path, step: int, trainer: Trainer | dict[str, Any], next_unit: int,
                     cfg: TrainConfig, older: dict[int, dict[str, torch.Tensor]] | None = None
                     ) -> Path:
+    """Write checkpoints/step-NNNNNN (temporary sibling, then renamed; the newest two kept).
+    `trainer`: a Trainer, or the trainer state to save ({"master", "optimizer", ...})."""
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    torch.save({"step": step, "next_unit": next_unit, "config": asdict(cfg),
-                "master": trainer.master.state_dict(), "optimizer": trainer.opt.state_dict(),
+    state = trainer if isinstance(trainer, dict) else trainer.state()
+    torch.save({"step": step, "next_unit": next_unit, "config": asdict(cfg), **state,
                 "older_versions": older or {}},
                tmp / "state.pt")
     if final.exists():
@@ -647,6 +670,14 @@ def save_checkpoint(out: Path, step: int, trainer: Trainer, next_unit: int,
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-_CHECKPOINTS_KEPT]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def check_ranks(state: dict[str, Any], ranks: int) -> None:
+    """A checkpoint's optimizer state is laid out for the trainer that wrote it."""
+    saved = int(state.get("trainer_ranks", 1))
+    if (saved == 1) != (ranks == 1):
+        raise ValueError(f"the checkpoint was written by a {saved}-rank trainer; resume with "
+                         f"--trainer-ranks {'1' if saved == 1 else 'N > 1'} (not {ranks})")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
