@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -166,30 +169,48 @@ def test_fsdp2_trainer_ranks_on_a_shared_weights_path_step_as_one_trainer_and_re
             tokenizer=tok, log_alerts=False)
 
 
-def test_smoke_run_on_ray_has_the_local_metrics_keys_and_leaves_home_alone(tmp_path):
-    """The CLI end to end (a Ray of its own, started and stopped), HOME an empty directory."""
-    home = tmp_path / "home"
+def test_smoke_run_on_ray_killed_and_resumed(tmp_path):
+    """The CLI end to end with a Ray of its own, HOME an empty directory: killed with SIGKILL
+    after its step-2 checkpoint (no Ray process or temporary file survives it), resumed to the
+    end; its records have the local backend's keys."""
+    home, tmp = tmp_path / "home", Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
     home.mkdir()
-    env = dict(os.environ, HOME=str(home))
+    env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp))  # short: Ray's socket paths
     for key in [k for k in env if k.startswith("RAY_")]:
         del env[key]
-    outs = {}
-    for backend in ("local", "ray"):
-        outs[backend] = tmp_path / backend
-        proc = subprocess.run([sys.executable, "-m", "mismatch.cli", "train", "--preset",
-                               "smoke", "--backend", backend, "--out", str(outs[backend]),
-                               "--quiet"], env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    local, remote = (read_metrics(outs[b] / "metrics.jsonl") for b in ("local", "ray"))
-    assert len(local) == len(remote) == 3
-    assert [set(r) for r in remote] == [set(r) for r in local]
+    outs = {b: tmp_path / b for b in ("local", "ray")}
+    cmd = [sys.executable, "-m", "mismatch.cli", "train", "--preset", "smoke", "--steps", "4",
+           "--quiet", "--out"]
+    local = subprocess.run(cmd + [str(outs["local"])], env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert local.returncode == 0, local.stderr[-3000:]
+    proc = subprocess.Popen(cmd + [str(outs["ray"]), "--backend", "ray"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 400
+    while len(read_metrics(outs["ray"] / "metrics.jsonl")) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline, "no step 2 in time"
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert len(started) >= 8  # Ray's processes and the actors
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, [p.info for p in alive]
+    assert not list(tmp.glob("mm-ray-*"))  # Ray's session directory removed by the reaper
+    resumed = subprocess.run(cmd + [str(outs["ray"]), "--backend", "ray", "--resume"], env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stderr
+    ref, remote = (read_metrics(outs[b] / "metrics.jsonl") for b in ("local", "ray"))
+    assert [r["step"] for r in remote] == [1, 2, 3, 4] and len(ref) == 4
+    assert [set(r) - {"resumed_discarded_units"} for r in remote] == [set(r) for r in ref]
     assert {r["backend"] for r in remote} == {"ray"}
     assert all(r["queue_depth"] >= 0 and r["sampler_restarts"] == 0 for r in remote)
     assert (outs["ray"] / "final" / "config.json").exists()
     assert json.loads((outs["ray"] / "config.json").read_text())["fleet"] == "mixed"
-    assert list(home.iterdir()) == []
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if any(str(outs["ray"]) in a for a in (p.info["cmdline"] or []))]
+    assert list(home.iterdir()) == [] and not list(tmp.glob("mm-ray-*"))
+    shutil.rmtree(tmp)
 
 
 def test_bad_ray_input_is_one_line(tmp_path):

@@ -91,7 +91,7 @@ class RaySession:
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None,
                  dashboard: bool = True) -> None:
-        self.address, self.started, self._tmp = address, False, None
+        self.address, self.started, self._tmp, self._reaper = address, False, None, None
         self.dashboard_url: str | None = None
         self._env: dict[str, str | None] = {}
         imported = "ray" in sys.modules
@@ -114,10 +114,15 @@ class RaySession:
                 ray_constants.ENABLE_RAY_CLUSTER = False
                 Config.initialize("")
             self._tmp = tempfile.mkdtemp(prefix="mm-ray-")
-            ctx = ray.init(num_cpus=num_cpus or os.cpu_count() or 1,
-                           include_dashboard=dashboard, dashboard_host="127.0.0.1",
-                           _node_ip_address="127.0.0.1", _temp_dir=self._tmp,
-                           log_to_driver=False, configure_logging=False)
+            self._reaper = self._start_reaper()  # before Ray starts anything
+            try:
+                ctx = ray.init(num_cpus=num_cpus or os.cpu_count() or 1,
+                               include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                               _node_ip_address="127.0.0.1", _temp_dir=self._tmp,
+                               log_to_driver=False, configure_logging=False)
+            except BaseException:
+                self.close()
+                raise
             self.dashboard_url = ctx.dashboard_url
         else:
             try:
@@ -128,6 +133,20 @@ class RaySession:
                                  f"({str(exc).splitlines()[0]}); check the address and that "
                                  "`ray status` sees it") from None
         self.started = True
+
+    def _start_reaper(self):
+        """A process that outlives this one: it notes this process's descendants every second,
+        and if this process dies without close() (kill -9), it kills those still running (Ray's
+        agents would otherwise outlive it; process start times guard against reused ids) and
+        removes the temporary directory."""
+        import subprocess
+
+        if not Path("/proc").is_dir():
+            return None
+        return subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), self._tmp],
+                                start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
 
     def _setenv(self, key: str, value: str) -> None:
         self._env.setdefault(key, os.environ.get(key))
@@ -146,6 +165,57 @@ class RaySession:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if self._reaper is not None:  # it sees the directory gone and exits
+            self._reaper.wait(timeout=10)
+            self._reaper = None
+
+
+_REAPER = """
+import os, shutil, signal, sys, time
+driver, tmp = int(sys.argv[1]), sys.argv[2]
+
+def table():
+    parents, starts = {}, {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents.setdefault(int(fields[1]), []).append(int(name))
+            starts[int(name)] = fields[19]
+    return parents, starts
+
+def below(pid):
+    parents, starts = table()
+    out, todo = {}, list(parents.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if child != os.getpid():
+            out[child] = starts[child]
+            todo += parents.get(child, [])
+    return out
+
+seen = {}
+while os.path.exists(tmp):
+    try:
+        os.kill(driver, 0)
+    except OSError:
+        break
+    seen.update(below(driver))
+    time.sleep(1.0)
+if os.path.exists(tmp):  # the driver died without closing its Ray: end what it started
+    _, starts = table()
+    for pid, start in seen.items():
+        if starts.get(pid) == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    time.sleep(0.5)
+    shutil.rmtree(tmp, ignore_errors=True)
+"""
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None,
