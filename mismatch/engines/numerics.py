@@ -8,7 +8,9 @@
   at a static per-tensor scale calibrated beforehand (modelopt's `input_scale`; fused q/k/v and
   experts of one layer share it, as serving engines take the max), products exact and summed in
   FP32 (or by `spec.accumulation`'s model), output rounded once to the compute dtype — the
-  shape of a GPU GEMM, whatever CPU kernel torch would have picked. Routers, embeddings and
+  shape of a GPU GEMM, whatever CPU kernel torch would have picked. Activation fake-quant and
+  the accumulation-model GEMM go through mismatch.kernels: quantize/'s exact torch code on CPU,
+  the bit-identical Triton kernels on CUDA tensors. Routers, embeddings and
   lm_head stay in the compute dtype, as modelopt excludes them.
 - attention runs through `attention.tiled_attention` with the spec's kernel family (or torch
   SDPA for the reference), with the KV cache stored in FP8 when `spec.kv_codec` says so.
@@ -28,11 +30,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quantize import QTensor, decode, encode, fake_quant
-from quantize.accumulate import accumulate_matmul
+from quantize import QTensor, decode, encode
 from quantize.formats import decode_codes, get_format
 from quantize.loader import requantize_fp8
 
+from ..kernels import accumulate_gemm, fake_quant
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attention
 from .moe import experts_forward, is_fused_experts
@@ -146,7 +148,7 @@ class _Emulator:
             q = encode(x2, self.spec.activation_codec,
                        global_scale=self.act_scales[entry.act_key], validate=False)
             elems = decode_codes(q.codes, get_format("e4m3"))
-            y = accumulate_matmul(elems, entry.weight_elems.t(), self.spec.accumulation)
+            y = accumulate_gemm(elems, entry.weight_elems.t(), self.spec.accumulation)
             return y * (q.scales * entry.weight_scale)
         if xq is None:
             xq = self.quantized_input(x2, entry, source)

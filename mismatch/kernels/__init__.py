@@ -12,8 +12,12 @@ installed and the twin otherwise, so this package imports and runs without Trito
 - gemm.py         a GEMM with the accumulation model of quantize.accumulate, bit-exact
 """
 
+from .fake_quant import KERNEL_CODECS, fake_quant, fake_quant_torch, fake_quant_triton
+from .gemm import accumulate_gemm, accumulate_gemm_torch, accumulate_gemm_triton
 from .runtime import KernelError, triton_available, use_triton
 from .scorer_head import HeadOutput, scorer_head, scorer_head_torch, scorer_head_triton
 
-__all__ = ["KernelError", "triton_available", "use_triton", "HeadOutput", "scorer_head", "scorer_head_torch",
+__all__ = ["KERNEL_CODECS", "fake_quant", "fake_quant_torch", "fake_quant_triton",
+           "accumulate_gemm", "accumulate_gemm_torch", "accumulate_gemm_triton", "KernelError",
+           "triton_available", "use_triton", "HeadOutput", "scorer_head", "scorer_head_torch",
            "scorer_head_triton"]
