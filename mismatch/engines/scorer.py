@@ -51,7 +51,8 @@ def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
 
     full_from: also return the whole log-softmax [B, T - full_from, V] (FP32) of the positions
     from `full_from` on (the completion, for exact full-vocabulary KL)."""
-    ids, mask = rollout.token_ids, rollout.attention_mask
+    device = next(model.parameters()).device  # a CUDA model scores there; results come back
+    ids, mask = rollout.token_ids.to(device), rollout.attention_mask.to(device)
     b, t = ids.shape
     routing: list[list[torch.Tensor]] = []
     ctx = record_routing(model, routing) if with_routing else contextlib.nullcontext()
@@ -61,7 +62,7 @@ def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
     head = model.get_output_embeddings()
     flat = hidden[:, :-1].reshape(b * (t - 1), -1)  # position t predicts token t + 1
     targets = ids[:, 1:].reshape(-1)
-    cand = rollout.candidate_ids[:, 1:].reshape(b * (t - 1), -1)
+    cand = rollout.candidate_ids[:, 1:].to(device).reshape(b * (t - 1), -1)
     if full_from is not None and not 1 <= full_from < t:
         raise ValueError(f"full_from must be in [1, {t}), got {full_from}")
     plain_head = isinstance(head, torch.nn.Linear) and head.bias is None and \
@@ -69,6 +70,7 @@ def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
     if full_from is None and plain_head:
         out = scorer_head(targets, hidden=flat, weight=head.weight, candidate_ids=cand)
         lp, top1, cand_lp, full = out.logprobs, out.top1, out.candidate_logprobs, None
+        lp, top1, cand_lp = lp.cpu(), top1.cpu(), cand_lp.cpu()
     else:
         lp, top1, cand_lp, full = _chunked(head, flat, targets, cand, row_chunk,
                                            full_from is not None)
@@ -79,7 +81,7 @@ def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
     routed = None
     if routing and all(len(r) == 1 for r in routing):
         # each router saw all B·T tokens once: [B·T, k] per layer → [B, T, L, k]
-        routed = torch.stack([r[0].view(b, t, -1) for r in routing], dim=2)
+        routed = torch.stack([r[0].view(b, t, -1) for r in routing], dim=2).cpu()
     return Scores(logprobs=logprobs, top1_ids=top1_ids, candidate_logprobs=cand_out,
                   routed_experts=routed,
                   full_logprobs=None if full is None else
