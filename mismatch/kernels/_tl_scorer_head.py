@@ -98,9 +98,11 @@ def _head_kernel(lab_ptr, h_ptr, w_ptr, x_ptr, cid_ptr, slp_ptr,
         best = tl.where(better, tm, best)
         hit = cols[None, :] == lab[:, None]
         lab_l += tl.sum(tl.where(hit, tile, 0.0), 1)
-        if HAS_CAND:
-            hit_c = cid[:, :, None] == cols[None, None, :]
-            cand_l += tl.sum(tl.where(hit_c, tile[:, None, :], 0.0), 2)
+        if HAS_CAND:  # one [BLOCK_N, BLOCK_V] pick per candidate slot (unrolled): no 3-D tile
+            for j in tl.static_range(BLOCK_K):
+                cid_j = tl.sum(tl.where(ks[None, :] == j, cid, 0), 1)
+                val = tl.sum(tl.where(cols[None, :] == cid_j[:, None], tile, 0.0), 1)
+                cand_l += tl.where(ks[None, :] == j, val[:, None], 0.0)
     log_s = tl.log(s)
     lse = m + log_s
     tl.store(lp_ptr + rows, lab_l - lse, mask=row_ok)

@@ -196,13 +196,17 @@ def scorer_head_triton(labels: torch.Tensor, *, hidden: torch.Tensor | None = No
                        weight: torch.Tensor | None = None, logits: torch.Tensor | None = None,
                        candidate_ids: torch.Tensor | None = None,
                        sampler_candidate_logprobs: torch.Tensor | None = None,
-                       block_rows: int = 16, block_vocab: int = 128,
-                       block_hidden: int = 32) -> HeadOutput:
+                       block_rows: int | None = None, block_vocab: int = 128,
+                       block_hidden: int | None = None) -> HeadOutput:
     """The Triton kernel: one program per `block_rows` rows loops over the vocabulary in
     `block_vocab` tiles (and, from hidden states, over H in `block_hidden` slices of a tl.dot
-    with an FP32 accumulator). Same arguments and results as the twin."""
+    with an FP32 accumulator). Same arguments and results as the twin. Default blocks: 64 rows
+    and 64-wide H slices on CUDA, 16 and 32 under the interpreter (tl.dot's smallest tiles)."""
     from ._tl_scorer_head import launch
 
+    small = not labels.is_cuda
+    block_rows = block_rows or (16 if small else 64)
+    block_hidden = block_hidden or (32 if small else 64)
     _check(hidden, weight, logits, labels, candidate_ids, sampler_candidate_logprobs, 1, 1)
     return launch(labels, hidden, weight, logits, candidate_ids, sampler_candidate_logprobs,
                   block_rows, block_vocab, block_hidden)
