@@ -7,7 +7,8 @@ minutes on a CUDA machine; it writes everything it prints to a markdown report.
                                                         # CPU: TRITON_INTERPRET=1, tiny shapes,
                                                         # emulated probe only (checks the script)
 
-1. environment: torch / triton versions, the device, the profile it matches (name + capability)
+1. environment: torch / triton versions, the device, the profile it matches (name + capability);
+   every kernel variant built ahead of time for the device's architecture (--smoke: sm90)
 2. floors, measured here: device-to-device copy bandwidth, cuBLAS BF16 and FP64 matmul rates
 3. every kernel vs its torch twin on seeded random inputs (Triton JIT-compiles on first call):
    scorer head (FP32 and BF16 hidden states, BF16 logits), each fake-quant codec (bit patterns),
@@ -93,6 +94,22 @@ def _floors(out: Out, device, timed, smoke: bool) -> dict:
         f"{bf16 / 1e12:.1f}, FP32 {rates[torch.float32] / 1e12:.1f}, FP64 "
         f"{rates[torch.float64] / 1e12:.2f} TFLOP/s")
     return {"bw": bw, "bf16": bf16, "fp32": rates[torch.float32], "fp64": rates[torch.float64]}
+
+
+def _builds(out: Out, capability: int) -> bool:
+    """Every kernel variant built ahead of time for this device's architecture, in a fresh
+    process with an empty kernel cache (mismatch/kernels/aot.py)."""
+    out(f"\n## builds (Triton -> PTX -> cubin for sm{capability}, empty cache)")
+    with tempfile.TemporaryDirectory() as cache:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(TRITON_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
+        res = subprocess.run([sys.executable, "-m", "mismatch.kernels.aot", str(capability)],
+                             capture_output=True, text=True, env=env, cwd=ROOT)
+    for line in res.stdout.strip().splitlines():
+        out(f"    {line}")
+    if res.returncode != 0 and not res.stdout.strip():
+        out(f"    FAILED: {(res.stderr.strip().splitlines() or ['?'])[-1]}")
+    return res.returncode == 0
 
 
 def _bits_differ(a, b) -> int:
@@ -308,8 +325,9 @@ def main() -> None:
            f"{local_profile(local) or 'none'}" if local else ""))
     timed = _timer(device)
     t0 = time.perf_counter()
+    ok = _builds(out, 10 * local[1][0] + local[1][1] if local else 90)
     floors = _floors(out, device, timed, args.smoke)
-    ok = _kernels(out, device, timed, floors, args.smoke)
+    ok &= _kernels(out, device, timed, floors, args.smoke)
     ok &= _probes(out, local, args.smoke, args.n_prompts)
     out(f"\n{'ALL PASS' if ok else 'SOME CHECKS FAILED'} in {time.perf_counter() - t0:.0f} s")
     report = args.report or ROOT / "reports" / f"gpu-{tag}.md"

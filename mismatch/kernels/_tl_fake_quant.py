@@ -70,7 +70,9 @@ def _fake_quant_kernel(x_ptr, out_ptr, scale_ptr, M, B, MODE: tl.constexpr,
     elif MODE == 1:  # fp8-channel: x / (amax/448) per row
         sc = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
                       1.0)
-        out = _fp8_round(tl.math.div_rn(x, sc[:, None])) * sc[:, None]
+        # div_rn legalizes dtypes but does not broadcast shapes: broadcast explicitly
+        sc_b = tl.broadcast_to(sc[:, None], (BLOCK_M, BLOCK_B))
+        out = _fp8_round(tl.math.div_rn(x, sc_b)) * sc_b
     elif MODE == 2 or MODE == 3:  # MXFP4: E8M0 scale per 32, E2M1 elements
         if MODE == 2:  # OCP: floor(log2 amax) − emax(E2M1) = − 2
             e = _floor_log2(amax) - 2
@@ -99,7 +101,8 @@ def _fake_quant_kernel(x_ptr, out_ptr, scale_ptr, M, B, MODE: tl.constexpr,
         bs = tl.minimum(tl.maximum(bs, 0.001953125), 448.0)  # [2^-9, 448]
         sf = _round_grid(bs, -6, 3, 448.0)
         per_block = sf * s
-        mag = _round_grid(tl.math.div_rn(tl.abs(x), per_block[:, None]), 0, 1, 6.0)
+        per_block_b = tl.broadcast_to(per_block[:, None], (BLOCK_M, BLOCK_B))
+        mag = _round_grid(tl.math.div_rn(tl.abs(x), per_block_b), 0, 1, 6.0)
         neg = tl.where(x < 0, _SIGN, 0)
         out = _with_sign(mag, neg) * per_block[:, None]
     tl.store(out_ptr + offs, out, mask=ok)

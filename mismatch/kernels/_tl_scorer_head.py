@@ -153,8 +153,9 @@ def launch(labels, hidden, weight, logits, candidate_ids, sampler_lp, block_rows
                            x.stride(0) if from_logits else 0, max(k, 1),
                            FROM_LOGITS=from_logits, HAS_CAND=k > 0,
                            HAS_KL=sampler_lp is not None, BLOCK_N=block_rows,
-                           BLOCK_V=block_vocab, BLOCK_H=block_hidden,
-                           BLOCK_K=max(triton.next_power_of_2(k), 2))
+                           BLOCK_V=block_vocab, BLOCK_H=max(block_hidden, 16),
+                           BLOCK_K=max(triton.next_power_of_2(k), 2),
+                           enable_fp_fusion=True)  # tolerance kernel: FMAs are welcome
     return HeadOutput(logprobs=lp, entropy=ent, top1=top,
                       candidate_logprobs=cand if k else None,
                       kl_candidates=kl if sampler_lp is not None else None)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .runtime import KernelError, use_triton
 
 __all__ = ["HeadOutput", "scorer_head", "scorer_head_torch", "scorer_head_triton", "q_delta",
-           "g_log1p"]
+           "g_log1p", "default_blocks"]
 
 _SERIES_BELOW = 0.1  # |x| under which q(δ) and g(c) are evaluated as their Taylor series (to the
 #                      7th power: remainder < 0.1⁸/8 relative to 0.1²/2, ~2.5e-7); above, the
@@ -196,20 +196,31 @@ def scorer_head_triton(labels: torch.Tensor, *, hidden: torch.Tensor | None = No
                        weight: torch.Tensor | None = None, logits: torch.Tensor | None = None,
                        candidate_ids: torch.Tensor | None = None,
                        sampler_candidate_logprobs: torch.Tensor | None = None,
-                       block_rows: int | None = None, block_vocab: int = 128,
+                       block_rows: int | None = None, block_vocab: int | None = None,
                        block_hidden: int | None = None) -> HeadOutput:
     """The Triton kernel: one program per `block_rows` rows loops over the vocabulary in
     `block_vocab` tiles (and, from hidden states, over H in `block_hidden` slices of a tl.dot
-    with an FP32 accumulator). Same arguments and results as the twin. Default blocks: 64 rows
-    and 64-wide H slices on CUDA, 16 and 32 under the interpreter (tl.dot's smallest tiles)."""
+    with an FP32 accumulator). Same arguments and results as the twin; blocks default to
+    `default_blocks`."""
     from ._tl_scorer_head import launch
 
-    small = not labels.is_cuda
-    block_rows = block_rows or (16 if small else 64)
-    block_hidden = block_hidden or (32 if small else 64)
+    rows, vocab, hid = default_blocks(logits is not None, labels.is_cuda)
+    block_rows, block_vocab, block_hidden = (block_rows or rows, block_vocab or vocab,
+                                             block_hidden or hid)
     _check(hidden, weight, logits, labels, candidate_ids, sampler_candidate_logprobs, 1, 1)
     return launch(labels, hidden, weight, logits, candidate_ids, sampler_candidate_logprobs,
                   block_rows, block_vocab, block_hidden)
+
+
+def default_blocks(from_logits: bool, cuda: bool) -> tuple[int, int, int]:
+    """(rows, vocabulary, hidden) per program. From logits nothing is reused across rows, so a
+    program takes 8 rows and wide 512-column tiles (64-row tiles of this kernel took ptxas ~4
+    minutes for sm80). From hidden states the weight tile is reused by every row of the program:
+    64 rows, 128 columns, 64-wide H slices on CUDA; under the interpreter 16 and 32, tl.dot's
+    smallest tiles, to keep the tests fast."""
+    if from_logits:
+        return 8, 512, 0
+    return (64, 128, 64) if cuda else (16, 128, 32)
 
 
 def scorer_head(labels: torch.Tensor, *, hidden: torch.Tensor | None = None,
