@@ -136,6 +136,9 @@ def test_gemm_models_differ_and_bf16_inputs_agree():
     a16 = torch.randn(17, 200, generator=g).bfloat16()
     b16 = torch.randn(23, 200, generator=g).bfloat16().t()  # a strided [K, N] view
     _bits_equal(accumulate_gemm_triton(a16, b16, "fp32"), accumulate_gemm_torch(a16, b16, "fp32"))
+    # FP16 inputs (FP8-grid values are exact in FP16): the kernel widens them exactly
+    _bits_equal(accumulate_gemm_triton(a.half(), b.half(), "hopper-fp8-promote128"),
+                accumulate_gemm_torch(a.half(), b.half(), "hopper-fp8-promote128"))
     custom = Accumulation(name="x", acc_mbits=10, promote_every=64, mma_k=16)
     _bits_equal(accumulate_gemm_triton(a, b, custom), accumulate_gemm_torch(a, b, custom))
     with pytest.raises(KernelError, match="mma_k a power of two"):

@@ -30,7 +30,9 @@ def prompt_file(tmp_path_factory) -> Path:
 
 
 def _probe(*args: str):
-    return runner.invoke(app, ["probe", *args])
+    # --emulate: these runs emulate the named GPU on any machine (on a CUDA machine whose GPU is
+    # another one, --gpu without it is an error; tests/test_measured_mode.py covers that)
+    return runner.invoke(app, ["probe", *args, "--emulate"])
 
 
 def test_probe_json_schema_and_outputs(moe_dir, prompt_file, tmp_path):
