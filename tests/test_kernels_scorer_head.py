@@ -182,3 +182,44 @@ def test_triton_handles_ties_and_no_candidates():
     assert got.top1.tolist() == [7, 7, 7] == want.top1.tolist()
     assert got.candidate_logprobs is None and got.kl_candidates is None
     _close(got.logprobs, want.logprobs, 1e-6)
+
+
+def test_trainer_scorer_runs_the_fused_head():
+    """score() through the fused head agrees with its former [chunk, V] path (kept for
+    full_from and for patched heads) at a vocabulary wider than one tile."""
+    from types import SimpleNamespace
+
+    from mismatch.engines.scorer import score
+    from mismatch.records import Rollout
+
+    v, h, b, t, k = 20000, 16, 2, 7, 3  # V spans three 8192-wide vocabulary tiles
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(v, h)
+            self.head = torch.nn.Linear(h, v, bias=False)
+            self.model = lambda input_ids, attention_mask, position_ids: SimpleNamespace(
+                last_hidden_state=self.emb(input_ids))
+
+        def get_output_embeddings(self):
+            return self.head
+
+    torch.manual_seed(0)
+    model = Tiny().bfloat16()
+    ids = torch.randint(0, v, (b, t))
+    ones = torch.ones(b, t)
+    rollout = Rollout(token_ids=ids, attention_mask=ones.long(), completion_mask=ones,
+                      sampler_logprobs=ones, sampler_logprobs_processed=ones,
+                      candidate_ids=torch.randint(0, v, (b, t, k)),
+                      candidate_logprobs=torch.zeros(b, t, k), sampler="s", mode="emulated")
+    fused = score(model, rollout, with_routing=False)
+    model.head.forward = model.head.forward  # an instance forward: the chunked path
+    chunked = score(model, rollout, with_routing=False)
+    full = score(model, rollout, with_routing=False, full_from=3)
+    del model.head.forward
+    assert (fused.logprobs - chunked.logprobs).abs().max() < 1e-5
+    assert (fused.candidate_logprobs - chunked.candidate_logprobs).abs().max() < 1e-5
+    assert torch.equal(fused.top1_ids, chunked.top1_ids)
+    assert full.full_logprobs.shape == (b, t - 3, v)
+    assert torch.allclose(full.full_logprobs.exp().sum(-1), torch.ones(b, t - 3))
