@@ -168,14 +168,15 @@ def load_prompts(tokenizer, path: Path | None, n: int, *, start: int = 0) -> lis
 
 def _sampler_numerics(model: torch.nn.Module, spec: NumericsSpec, scales: dict):
     """The numerics a measured sampler runs on the local GPU (model already on CUDA): none for
-    BF16/FP16 (the GPU's own kernels), torch._scaled_mm for FP8 W8A8 where the GPU has FP8
-    tensor cores, else the formats through the Triton kernels; attention is torch SDPA."""
+    BF16/FP16 (the GPU's own kernels; an FP8 KV cache stored as such), torch._scaled_mm for FP8
+    W8A8 where the GPU has FP8 tensor cores, else the formats through the emulator's GEMMs and
+    the Triton kernels on the GPU; attention is torch SDPA."""
     import contextlib
 
-    from .engines.numerics import apply_numerics
+    from .engines.numerics import apply_numerics, fp8_kv_cache
 
-    if spec.weight_codec is None and spec.activation_codec is None and spec.kv_codec is None:
-        return contextlib.nullcontext()
+    if spec.weight_codec is None and spec.activation_codec is None:
+        return contextlib.nullcontext() if spec.kv_codec is None else fp8_kv_cache(model)
     return apply_numerics(model, spec, scales, kernels=False,
                           native_fp8=spec.weight_codec == "fp8" and
                           spec.activation_codec == "fp8-act")

@@ -40,7 +40,8 @@ from .attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attenti
 from .moe import experts_forward, is_fused_experts
 from .routing import router_numerics
 
-__all__ = ["apply_numerics", "calibrate", "quantizable_weights", "eager_experts", "ATTN_IMPL"]
+__all__ = ["apply_numerics", "calibrate", "quantizable_weights", "eager_experts", "fp8_kv_cache",
+           "ATTN_IMPL"]
 
 ATTN_IMPL = "mismatch_emulated"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -375,6 +376,14 @@ def _attention(model: torch.nn.Module, family: KernelFamily | None, kv_fp8: bool
 
 
 # ------------------------------------------------------------------------------------ public
+
+
+@contextlib.contextmanager
+def fp8_kv_cache(model: torch.nn.Module):
+    """Only the KV cache in FP8 (per-tensor, scale 1.0, as engines default), attention by torch
+    SDPA and the model's own GEMMs: a measured BF16/FP16 sampler with an FP8 KV cache."""
+    with _attention(model, None, True):
+        yield
 
 
 @torch.no_grad()
