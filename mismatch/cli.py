@@ -180,6 +180,12 @@ def probe_command(
                                     "is under this fraction of its value, e.g. 0.2 (0: off)."),
     max_prompts: int = typer.Option(4096, "--max-prompts", help="Cap on the prompts "
                                     "--ci-target may draw."),
+    emulate: bool = typer.Option(False, "--emulate", help="On a CUDA machine whose GPU is not "
+                                 "--gpu: emulate --gpu there (without it that is an error; "
+                                 "with --gpu the local GPU, the sampler is measured)."),
+    trainer_kernels: str = typer.Option("torch", "--trainer-kernels", help="Trainer-side linear "
+                                        "layers: torch (reference), or transformer-engine on a "
+                                        "CUDA GPU: te (BF16), te-fp8, te-mxfp8, te-nvfp4."),
 ) -> None:
     """Measure sampler-trainer log-prob divergence for a GPU x precision, by source."""
 
@@ -202,7 +208,17 @@ def probe_command(
                           fleet_shares=_parse_shares(fleet_shares), top_p=top_p,
                           staleness_max_lag=staleness_max_lag, staleness_lr=staleness_lr,
                           staleness_checkpoints=staleness_checkpoints, ci_target=ci_target,
-                          max_prompts=max(max_prompts, n_prompts))
+                          max_prompts=max(max_prompts, n_prompts), emulate=emulate,
+                          trainer_kernels=trainer_kernels.lower())
+        if not (cfg.sources or cfg.ladder):
+            from mismatch.engines.te import check_te
+            from mismatch.profiles import check_local_gpu, local_gpu
+
+            check_local_gpu(cfg.gpu, local_gpu(), cfg.emulate)  # before loading anything
+            check_te(cfg.trainer_kernels)
+        elif cfg.trainer_kernels != "torch":
+            raise ValueError("--trainer-kernels applies to the quick probe; the source probes "
+                             "(--sources, --ladder) run the reference trainer")
         if cfg.sources or cfg.ladder:
             from probes.accelerator import fleet_groups
 

@@ -15,8 +15,12 @@ prompts and compares them on the same sampled tokens:
     precision    = divergence(trainer, precision)      what the formats alone cost
     accelerator  = divergence(precision, sampler)      what the GPU's kernels add on top
 
-Figures are labeled `emulated` unless the sampler ran on the named GPU's real kernels
-(`measured`: a CUDA device of that name, serving precision BF16 or FP16).
+Figures are labeled `emulated` unless the sampler ran on the named GPU itself (`measured`). On a
+CUDA machine the local GPU must be the named one (name and compute capability) unless
+`emulate` is set; measured samplers run the GPU's own kernels: cuBLAS BF16/FP16 GEMMs and torch
+SDPA attention, FP8 W8A8 GEMMs through torch._scaled_mm on GPUs with FP8 tensor cores, and the
+Triton fake-quant / accumulation kernels (mismatch.kernels) for the formats torch has no GEMM
+for. Without CUDA everything is emulated, as before.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Callable
 import torch
 
 from .metrics import bootstrap_ci, divergence_summary, log_ratio
-from .profiles import NumericsSpec, resolve, trainer_spec
+from .profiles import NumericsSpec, check_local_gpu, local_gpu, resolve, trainer_spec
 from .records import Rollout
 
 __all__ = ["ProbeConfig", "ProbeError", "run_probe", "load_prompts", "SOURCES_REPORTED"]
@@ -99,6 +103,11 @@ class ProbeConfig:
     fraction of its value (0: off; the study's target is 0.2)."""
     max_prompts: int = 4096
     """Cap on prompts drawn for --ci-target."""
+    emulate: bool = False
+    """Emulate `gpu` even on a CUDA machine whose GPU is another one (else that is an error)."""
+    trainer_kernels: str = "torch"
+    """What the trainer side's linear layers run on (mismatch.engines.te.TRAINER_KERNELS):
+    the reference GEMM model, or transformer-engine (CUDA only) in BF16 or a TE recipe."""
 
     def __post_init__(self) -> None:
         if self.n_prompts < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
@@ -110,6 +119,11 @@ class ProbeConfig:
             raise ProbeError("--staleness-lr must be > 0")
         if not 0 <= self.ci_target < 1 or self.max_prompts < self.n_prompts:
             raise ProbeError("--ci-target must be in [0, 1) and --max-prompts >= --n-prompts")
+        from .engines.te import TRAINER_KERNELS
+
+        if self.trainer_kernels not in TRAINER_KERNELS:
+            raise ProbeError(f"unknown --trainer-kernels {self.trainer_kernels!r}; valid: "
+                             f"{', '.join(TRAINER_KERNELS)}")
 
 
 def load_prompts(tokenizer, path: Path | None, n: int, *, start: int = 0) -> list[list[int]]:
@@ -152,14 +166,20 @@ def load_prompts(tokenizer, path: Path | None, n: int, *, start: int = 0) -> lis
     return prompts
 
 
-def _measured(spec: NumericsSpec) -> bool:
-    """True when this machine has the named GPU and the precision runs on its own kernels."""
-    if not torch.cuda.is_available() or spec.dtype not in ("bf16", "fp16"):
-        return False
-    from .profiles import GPUS
+def _sampler_numerics(model: torch.nn.Module, spec: NumericsSpec, scales: dict):
+    """The numerics a measured sampler runs on the local GPU (model already on CUDA): none for
+    BF16/FP16 (the GPU's own kernels; an FP8 KV cache stored as such), torch._scaled_mm for FP8
+    W8A8 where the GPU has FP8 tensor cores, else the formats through the emulator's GEMMs and
+    the Triton kernels on the GPU; attention is torch SDPA."""
+    import contextlib
 
-    name = torch.cuda.get_device_name(0)
-    return any(n in name for n in GPUS[spec.gpu].cuda_names)
+    from .engines.numerics import apply_numerics, fp8_kv_cache
+
+    if spec.weight_codec is None and spec.activation_codec is None:
+        return contextlib.nullcontext() if spec.kv_codec is None else fp8_kv_cache(model)
+    return apply_numerics(model, spec, scales, kernels=False,
+                          native_fp8=spec.weight_codec == "fp8" and
+                          spec.activation_codec == "fp8-act")
 
 
 def _summary(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor,
@@ -196,10 +216,13 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     from .engines.numerics import apply_numerics, calibrate
     from .engines.sampler import SamplingParams, generate
     from .engines.scorer import score
+    from .engines.te import check_te
     from .zoo import load_model, load_tokenizer
 
     spec = resolve(cfg.gpu, cfg.dtype, cfg.kv_cache)
     trainer = trainer_spec(cfg.trainer_dtype)
+    measured = check_local_gpu(spec.gpu, local_gpu(), cfg.emulate)
+    check_te(cfg.trainer_kernels)
     tokenizer = load_tokenizer(cfg.model)
     prompts = load_prompts(tokenizer, cfg.prompts, cfg.n_prompts)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -222,7 +245,6 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
         torch.set_num_threads(threads)
     sampler_model = trainer_model if spec.compute_dtype == trainer.compute_dtype else \
         load_model(cfg.model, dtype=torch_dtype[spec.compute_dtype])
-    measured = _measured(spec)
     mode = "measured" if measured else "emulated"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = _eos_ids(tokenizer, trainer_model)
@@ -236,15 +258,17 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     for i, batch in enumerate(batches):
         if measured:
             sampler_model.cuda()
-            rollout = generate(sampler_model, batch, params, pad_id=pad_id, eos_ids=eos,
-                               label=spec.label, mode=mode)
-            sampler_model.cpu()
+            try:
+                with _sampler_numerics(sampler_model, spec, scales):
+                    rollout = generate(sampler_model, batch, params, pad_id=pad_id,
+                                       eos_ids=eos, label=spec.label, mode=mode)
+            finally:
+                sampler_model.cpu()
         else:
             with apply_numerics(sampler_model, spec, scales):
                 rollout = generate(sampler_model, batch, params, pad_id=pad_id, eos_ids=eos,
                                    label=spec.label, mode=mode)
-        with apply_numerics(trainer_model, trainer, kernels=False):
-            trainer_scores = score(trainer_model, rollout, with_routing=False)
+        trainer_scores = _trainer_scores(trainer_model, trainer, rollout, cfg.trainer_kernels)
         with apply_numerics(sampler_model, spec, scales, kernels=False):
             precision_scores = score(sampler_model, rollout, with_routing=False)
         completion = _completion_slice(rollout.completion_mask, rollout, width)
@@ -257,7 +281,7 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     t, p, s, m = (torch.cat(rows[k]) for k in ("trainer", "precision", "sampler", "mask"))
     summary = {
         "gpu": spec.gpu, "dtype": spec.dtype, "kv_cache": spec.kv_cache,
-        "trainer_dtype": trainer.dtype, "mode": mode,
+        "trainer_dtype": trainer.dtype, "trainer_kernels": cfg.trainer_kernels, "mode": mode,
         "model": str(cfg.model) if cfg.model else "embedded",
         "kernel_path": spec.kernel_path, "attention": spec.attention,
         "prompts": len(prompts), "tokens": int(m.sum()),
@@ -269,6 +293,25 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     per_pos = {name: _per_position(a, b, m) for name, (a, b) in
                {"total": (t, s), "precision": (t, p), "accelerator": (p, s)}.items()}
     return ProbeResult(summary=summary, log_ratio_total=r[m.bool()].float(), per_position=per_pos)
+
+
+def _trainer_scores(model: torch.nn.Module, trainer: NumericsSpec, rollout: Rollout,
+                    kernels: str):
+    """The trainer side's scores: the reference GEMM model on CPU, or transformer-engine's
+    linear layers on the local GPU (the model visits CUDA for the call)."""
+    from .engines.numerics import apply_numerics
+    from .engines.scorer import score
+    from .engines.te import te_linears
+
+    if kernels == "torch":
+        with apply_numerics(model, trainer, kernels=False):
+            return score(model, rollout, with_routing=False)
+    model.cuda()
+    try:
+        with te_linears(model, kernels):
+            return score(model, rollout, with_routing=False)
+    finally:
+        model.cpu()
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

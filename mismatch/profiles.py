@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 __all__ = ["GPUS", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec", "ProfileError", "resolve", "trainer_spec",
-           "table", "natural_pairs", "TRAINER"]
+           "table", "natural_pairs", "TRAINER", "local_gpu", "local_profile", "check_local_gpu"]
 
 AttentionKernel = Literal["fa2", "fa3", "flashinfer", "trtllm", "reference"]
 
@@ -49,6 +49,11 @@ class GpuProfile:
     cuda_names: tuple[str, ...]
     """Substrings of `torch.cuda.get_device_name()` that identify it (for measured mode)."""
 
+    @property
+    def capability_major(self) -> int:
+        """CUDA compute capability major version of the arch (sm90 → 9; B300's sm103 → 10)."""
+        return int(self.arch[2:-1])
+
 
 GPUS: dict[str, GpuProfile] = {g.name: g for g in (
     GpuProfile(name="a100", arch="sm80", native=frozenset(), attention="fa2",
@@ -66,6 +71,41 @@ GPUS: dict[str, GpuProfile] = {g.name: g for g in (
 )}
 
 DTYPES = ("bf16", "fp16", "fp8", "w4a16-nvfp4", "nvfp4", "mxfp4")
+
+
+def local_gpu() -> tuple[str, tuple[int, int]] | None:
+    """(name, compute capability) of CUDA device 0, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(0), tuple(torch.cuda.get_device_capability(0))
+
+
+def local_profile(local: tuple[str, tuple[int, int]]) -> str | None:
+    """The profile whose name and compute capability match the local GPU, if any."""
+    name, (major, _minor) = local
+    for g in GPUS.values():
+        if any(n in name for n in g.cuda_names) and g.capability_major == major:
+            return g.name
+    return None
+
+
+def check_local_gpu(gpu: str, local: tuple[str, tuple[int, int]] | None, emulate: bool) -> bool:
+    """Whether a sampler named `gpu` runs measured here. Without CUDA, or with `emulate`, it is
+    emulated; on a CUDA machine the local GPU must be `gpu` by name and compute capability, or
+    this raises a ProfileError (pass --emulate to emulate another GPU on this one)."""
+    g = GPUS[_need(gpu, GPUS, "gpu")]
+    if local is None or emulate:
+        return False
+    name, (major, minor) = local
+    if any(n in name for n in g.cuda_names) and g.capability_major == major:
+        return True
+    here = local_profile(local)
+    hint = f"--gpu {here}" if here else "a GPU that is profiled here"
+    raise ProfileError(f"--gpu {g.name} ({'/'.join(g.cuda_names)}, {g.arch}) is not this "
+                       f"machine's GPU ({name}, sm{major}{minor}); pass --emulate to emulate "
+                       f"{g.name} on it, or {hint} to measure")
 KV_CACHES = ("bf16", "fp8")
 
 

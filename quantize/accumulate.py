@@ -100,8 +100,8 @@ def accumulate_matmul(a: torch.Tensor, b: torch.Tensor, acc: Accumulation | str)
         b64 = torch.nn.functional.pad(b64, (0, 0, 0, slices * mk - k))
     # every slice's sum at once, [S, M, N]; exact for FP8 inputs (float64 holds 32 such products)
     sums = torch.einsum("msk,skn->smn", a64.view(m, slices, mk), b64.view(slices, mk, n))
-    partial = torch.zeros(m, n, dtype=torch.float64)  # the limited-precision accumulator
-    total = torch.zeros(m, n, dtype=torch.float32)
+    partial = torch.zeros(m, n, dtype=torch.float64, device=a.device)  # limited accumulator
+    total = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     since_promotion = 0
     for i in range(slices):
         if acc.acc_mbits is None:

@@ -30,7 +30,9 @@ def prompt_file(tmp_path_factory) -> Path:
 
 
 def _probe(*args: str):
-    return runner.invoke(app, ["probe", *args])
+    # --emulate: these runs emulate the named GPU on any machine (on a CUDA machine whose GPU is
+    # another one, --gpu without it is an error; tests/test_measured_mode.py covers that)
+    return runner.invoke(app, ["probe", *args, "--emulate"])
 
 
 def test_probe_json_schema_and_outputs(moe_dir, prompt_file, tmp_path):
@@ -104,7 +106,7 @@ def test_empty_prompt_file_and_too_long_prompts(moe_dir, tmp_path):
 @pytest.mark.gpu
 def test_measured_mode_on_the_named_gpu(tmp_path):
     """On a machine whose CUDA device is one of the profiles, a BF16 probe of that GPU runs the
-    real kernels and says `measured`; any other GPU name stays `emulated`."""
+    real kernels and says `measured`; any other GPU name is emulated when asked (--emulate)."""
     import torch
 
     from mismatch.probe import ProbeConfig, run_probe
@@ -117,5 +119,5 @@ def test_measured_mode_on_the_named_gpu(tmp_path):
     s = run_probe(ProbeConfig(gpu=here[0], dtype="bf16", n_prompts=8, max_new_tokens=8)).summary
     assert s["mode"] == "measured" and s["tokens"] > 0
     other = next(g for g in GPUS if g not in here)
-    assert run_probe(ProbeConfig(gpu=other, dtype="bf16", n_prompts=4,
-                                 max_new_tokens=4)).summary["mode"] == "emulated"
+    assert run_probe(ProbeConfig(gpu=other, dtype="bf16", n_prompts=4, max_new_tokens=4,
+                                 emulate=True)).summary["mode"] == "emulated"

@@ -8,7 +8,9 @@
   at a static per-tensor scale calibrated beforehand (modelopt's `input_scale`; fused q/k/v and
   experts of one layer share it, as serving engines take the max), products exact and summed in
   FP32 (or by `spec.accumulation`'s model), output rounded once to the compute dtype — the
-  shape of a GPU GEMM, whatever CPU kernel torch would have picked. Routers, embeddings and
+  shape of a GPU GEMM, whatever CPU kernel torch would have picked. Activation fake-quant and
+  the accumulation-model GEMM go through mismatch.kernels: quantize/'s exact torch code on CPU,
+  the bit-identical Triton kernels on CUDA tensors. Routers, embeddings and
   lm_head stay in the compute dtype, as modelopt excludes them.
 - attention runs through `attention.tiled_attention` with the spec's kernel family (or torch
   SDPA for the reference), with the KV cache stored in FP8 when `spec.kv_codec` says so.
@@ -28,17 +30,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quantize import QTensor, decode, encode, fake_quant
-from quantize.accumulate import accumulate_matmul
+from quantize import QTensor, decode, encode
 from quantize.formats import decode_codes, get_format
 from quantize.loader import requantize_fp8
 
+from ..kernels import accumulate_gemm, fake_quant
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attention
 from .moe import experts_forward, is_fused_experts
 from .routing import router_numerics
 
-__all__ = ["apply_numerics", "calibrate", "quantizable_weights", "eager_experts", "ATTN_IMPL"]
+__all__ = ["apply_numerics", "calibrate", "quantizable_weights", "eager_experts", "fp8_kv_cache",
+           "ATTN_IMPL"]
 
 ATTN_IMPL = "mismatch_emulated"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -99,6 +102,7 @@ class _Linear:
     act_key: str
     weight_elems: torch.Tensor | None = None  # [N, K] FP8 element values (accumulation model)
     weight_scale: torch.Tensor | None = None
+    weight_fp8: torch.Tensor | None = None  # [N, K] float8_e4m3fn storage (measured FP8 GEMMs)
 
 
 class _Emulator:
@@ -146,7 +150,7 @@ class _Emulator:
             q = encode(x2, self.spec.activation_codec,
                        global_scale=self.act_scales[entry.act_key], validate=False)
             elems = decode_codes(q.codes, get_format("e4m3"))
-            y = accumulate_matmul(elems, entry.weight_elems.t(), self.spec.accumulation)
+            y = accumulate_gemm(elems, entry.weight_elems.t(), self.spec.accumulation)
             return y * (q.scales * entry.weight_scale)
         if xq is None:
             xq = self.quantized_input(x2, entry, source)
@@ -174,6 +178,40 @@ class _Emulator:
             return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
         return forward
+
+
+_SCALED_MM_ALIGN = 16  # torch._scaled_mm needs M, K and N multiples of 16 (cuBLASLt FP8)
+
+
+class _NativeFP8(_Emulator):
+    """Measured FP8 W8A8 on a GPU with FP8 tensor cores: each linear layer (and each expert)
+    runs torch._scaled_mm on the served FP8 weight and the activation quantized with its static
+    per-tensor scale (vLLM's `scaled_fp8_quant` order), with fast accumulation on Hopper as
+    per-tensor serving kernels use it. Rows are zero-padded to a multiple of 16; a layer whose
+    K or N is not a multiple of 16 keeps the emulated GEMM."""
+
+    def __init__(self, *args, fast_accum: bool):
+        super().__init__(*args)
+        self.fast_accum = fast_accum
+
+    def batched(self) -> bool:
+        return False  # each GEMM quantizes its own input for _scaled_mm
+
+    def gemm(self, x2, entry, xq=None, source=None):
+        w = entry.weight_fp8
+        if w is None or x2.shape[0] == 0 or w.shape[0] % _SCALED_MM_ALIGN or \
+                w.shape[1] % _SCALED_MM_ALIGN:
+            return super().gemm(x2, entry, xq, source)
+        scale = self.act_scales[entry.act_key].to(x2.device, torch.float32)
+        a = (x2.float() * (1.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        m = a.shape[0]
+        pad = -m % _SCALED_MM_ALIGN
+        if pad:
+            a = torch.cat([a, torch.zeros(pad, a.shape[1], dtype=a.dtype, device=a.device)])
+        y = torch._scaled_mm(a, w.t(), scale_a=scale.reshape(()),
+                             scale_b=entry.weight_scale.to(x2.device, torch.float32).reshape(()),
+                             out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum)
+        return y[:m].float()
 
 
 @contextlib.contextmanager
@@ -234,20 +272,22 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
-def _build_table(model: torch.nn.Module, spec: NumericsSpec) -> dict[int, _Linear]:
+def _build_table(model: torch.nn.Module, spec: NumericsSpec,
+                 native_fp8: bool = False) -> dict[int, _Linear]:
     """The emulated weights of `spec`, cached per model until its parameters change."""
     per_model = _TABLES.setdefault(model, {})
-    key = (spec.weight_codec, spec.activation_codec, spec.accumulation)
+    key = (spec.weight_codec, spec.activation_codec, spec.accumulation, native_fp8)
     fingerprint = _fingerprint(model)
     hit = per_model.get(key)
     if hit is not None and hit[0] == fingerprint:
         return hit[1]
-    table = _encode_table(model, spec)
+    table = _encode_table(model, spec, native_fp8)
     per_model[key] = (fingerprint, table)
     return table
 
 
-def _encode_table(model: torch.nn.Module, spec: NumericsSpec) -> dict[int, _Linear]:
+def _encode_table(model: torch.nn.Module, spec: NumericsSpec,
+                  native_fp8: bool = False) -> dict[int, _Linear]:
     table: dict[int, _Linear] = {}
     fp8_acc = spec.activation_codec == "fp8-act" and spec.accumulation != "fp32"
     for group, members in quantizable_weights(model).items():
@@ -260,6 +300,9 @@ def _encode_table(model: torch.nn.Module, spec: NumericsSpec) -> dict[int, _Line
             entry = _Linear(weight=decode(q)[:w.shape[0], :w.shape[1]], act_key=act_key)
             if fp8_acc and spec.weight_codec == "fp8":
                 entry.weight_elems = decode_codes(q.codes, get_format("e4m3"))
+                entry.weight_scale = q.scales
+            if native_fp8 and spec.weight_codec == "fp8":
+                entry.weight_fp8 = q.codes.view(torch.float8_e4m3fn)
                 entry.weight_scale = q.scales
             table[w.data_ptr()] = entry
     return table
@@ -335,6 +378,14 @@ def _attention(model: torch.nn.Module, family: KernelFamily | None, kv_fp8: bool
 # ------------------------------------------------------------------------------------ public
 
 
+@contextlib.contextmanager
+def fp8_kv_cache(model: torch.nn.Module):
+    """Only the KV cache in FP8 (per-tensor, scale 1.0, as engines default), attention by torch
+    SDPA and the model's own GEMMs: a measured BF16/FP16 sampler with an FP8 KV cache."""
+    with _attention(model, None, True):
+        yield
+
+
 @torch.no_grad()
 def calibrate(model: torch.nn.Module, spec: NumericsSpec, batches) -> dict[str, torch.Tensor]:
     """Static activation scales for `spec.activation_codec`: run `batches` (an iterable of
@@ -353,14 +404,23 @@ def calibrate(model: torch.nn.Module, spec: NumericsSpec, batches) -> dict[str, 
 
 @contextlib.contextmanager
 def apply_numerics(model: torch.nn.Module, spec: NumericsSpec, act_scales=None, *,
-                   kernels: bool = True):
+                   kernels: bool = True, native_fp8: bool = False):
     """Run `model` with `spec`'s numerics inside the block. kernels=False keeps the reference
     attention (torch SDPA) and emulates formats only (the "precision" configuration). MoE routers
-    compute their logits in `spec.router_dtype` (routing.py)."""
+    compute their logits in `spec.router_dtype` (routing.py). native_fp8 (measured mode, a CUDA
+    model on a GPU with FP8 tensor cores, an FP8 W8A8 spec): the GEMMs are torch._scaled_mm's."""
     if spec.activation_codec is not None and not act_scales:
         raise ValueError(f"{spec.label}: activation quantization needs calibrated scales; "
                          f"call calibrate() first")
-    emulator = _Emulator(_build_table(model, spec), spec, act_scales or {}, None)
+    if native_fp8:
+        if spec.activation_codec != "fp8-act" or spec.weight_codec != "fp8":
+            raise ValueError(f"{spec.label}: native FP8 GEMMs need an FP8 W8A8 spec")
+        device = next(model.parameters()).device
+        scales = {k: v.to(device) for k, v in (act_scales or {}).items()}
+        emulator: _Emulator = _NativeFP8(_build_table(model, spec, True), spec, scales, None,
+                                         fast_accum=spec.accumulation != "fp32")
+    else:
+        emulator = _Emulator(_build_table(model, spec), spec, act_scales or {}, None)
     family = KERNEL_FAMILIES.get(spec.attention) if kernels else None
     with _attention(model, family, spec.kv_codec is not None), _patched(model, emulator), \
             router_numerics(model, spec.router_dtype):

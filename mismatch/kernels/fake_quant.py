@@ -1,0 +1,99 @@
+"""Activation fake-quant in the serving kernels' order: FP8, MXFP4, NVFP4, bit-exact.
+
+`fake_quant_torch` is quantize.codecs.fake_quant itself (the bit-exact reference and the CPU
+path). `fake_quant_triton` computes the same values in one pass over the tensor, FP32 inside,
+with no codes or packing: each row of a [M, B] view is one scale group (B = 16 for NVFP4, 32 for
+MXFP4, the whole last dim for per-token FP8, any width for per-tensor FP8). Every rounding is
+written out in integer and FP32 arithmetic that is exact on any IEEE machine, so the kernel
+agrees with the reference bit for bit rather than to a tolerance:
+
+    round to a grid  e = max(floor(log2 a), emin) from the float's exponent field,
+                     a·2^(mbits−e) is exact, round-half-even by (v + 2²³) − 2²³ (exact for
+                     0 ≤ v < 2²²), times 2^(e−mbits), then saturate (E4M3 448, E2M1 6)
+    divisions        IEEE round-to-nearest (`tl.math.div_rn`; Triton's `/` on FP32 may be
+                     approximate on CUDA), FP contraction off (`enable_fp_fusion=False`), so no
+                     multiply-add is fused into an FMA the reference does not perform
+    E8M0 scales      2^e built from bits, 2^-127 as the FP32 subnormal it is; x / 2^e computed
+                     as x · 2^-e, the same correctly rounded real
+    zero signs       the sign bit is copied from the scaled value (IEEE codecs), or set only for
+                     x < 0 (modelopt's NVFP4 weights): −0 stays −0 where the reference keeps it
+
+Per-tensor reductions (a default FP8 scale, NVFP4's global scale) are taken in torch before the
+kernel, as the reference takes them. Codecs and their groups: `KERNEL_CODECS`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantize.codecs import _check_input, _nvfp4_global, fake_quant as _reference, get_codec
+from quantize.formats import E4M3_MAX
+
+from .runtime import KernelError, use_triton
+
+__all__ = ["KERNEL_CODECS", "fake_quant", "fake_quant_torch", "fake_quant_triton"]
+
+# codec -> (kernel mode, scale-group width along the last dim; 0 = the whole last dim)
+KERNEL_CODECS: dict[str, tuple[int, int]] = {
+    "fp8-act": (0, 0),        # per-tensor E4M3, x · (1/scale), static or amax/448 scale
+    "fp8-channel": (1, 0),    # per-token (per-row) E4M3, x / (amax_row/448)
+    "mxfp4": (2, 32),         # OCP MX: E8M0 exponent floor(log2 amax) − 2
+    "mxfp4-rceil": (3, 32),   # NVIDIA kernels: E8M0 = amax/6 rounded up to a power of two
+    "nvfp4-act": (4, 16),     # serving-kernel activation order, FP32 input_scale
+    "nvfp4": (5, 16),         # modelopt weight order, FP32 weight_scale_2
+}
+
+
+def fake_quant_torch(x: torch.Tensor, codec: str, *, global_scale: torch.Tensor | None = None,
+                     validate: bool = True) -> torch.Tensor:
+    """The reference: quantize.codecs.fake_quant (decode∘encode, or its value-level twin)."""
+    return _reference(x, codec, global_scale=global_scale, validate=validate)
+
+
+def _scale_for(x: torch.Tensor, codec: str, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """The FP32 per-tensor scale the kernel reads (1.0 where the codec has none)."""
+    if global_scale is not None:
+        if global_scale.numel() != 1:
+            raise KernelError(f"codec {codec}: the Triton kernel takes one per-tensor scale, got "
+                              f"shape {tuple(global_scale.shape)}")
+        if not bool((global_scale > 0).all() & torch.isfinite(global_scale).all()):
+            raise KernelError(f"codec {codec}: global_scale must be positive and finite, got "
+                              f"{float(global_scale.flatten()[0])}")
+        return global_scale.reshape(1).float()
+    if codec == "fp8-act":
+        amax = x.abs().amax().float()
+        return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).reshape(1)
+    if codec in ("nvfp4-act", "nvfp4"):
+        return _nvfp4_global(x).reshape(1)
+    return torch.ones(1, device=x.device)
+
+
+@torch.no_grad()
+def fake_quant_triton(x: torch.Tensor, codec: str, *, global_scale: torch.Tensor | None = None,
+                      validate: bool = True) -> torch.Tensor:
+    """x: [..., K] float → [..., K] in x's dtype, bit-identical to the reference. The kernel
+    reads x widened to FP32 (exact from BF16/FP16) and writes FP32; the final cast is torch's.
+    validate: refuse non-finite input (one reduction), as the reference does."""
+    if codec not in KERNEL_CODECS:
+        raise KernelError(f"no fake-quant kernel for codec {codec!r}; kernels: "
+                          f"{', '.join(KERNEL_CODECS)}")
+    _check_input(x, get_codec(codec), validate)
+    from ._tl_fake_quant import launch
+
+    mode, group = KERNEL_CODECS[codec]
+    scale = _scale_for(x, codec, global_scale)
+    x32 = x.float().contiguous()
+    width = x32.shape[-1] if group == 0 else group
+    out = launch(x32.reshape(-1, width) if x32.numel() else x32.reshape(0, max(width, 1)),
+                 scale, mode)
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def fake_quant(x: torch.Tensor, codec: str, *, global_scale: torch.Tensor | None = None,
+               validate: bool = True, backend: str = "auto") -> torch.Tensor:
+    """Dispatch: the Triton kernel for CUDA tensors of a kernel codec when Triton is installed,
+    else the reference. backend: auto | torch | triton."""
+    if backend == "auto" and codec not in KERNEL_CODECS:
+        backend = "torch"
+    fn = fake_quant_triton if use_triton(backend, x) else fake_quant_torch
+    return fn(x, codec, global_scale=global_scale, validate=validate)
