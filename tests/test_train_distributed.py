@@ -87,10 +87,12 @@ def test_two_rank_fsdp2_step_equals_one_process(batch_file, tmp_path, dtype):
             diff = (g - w).abs()
             assert float(diff.max()) <= 2 * lr * 1.001, name  # never more than one flipped step
             flipped = float((diff > lr).float().mean())
-            assert flipped < 0.1, (name, flipped)  # measured: at most 6% in a tensor
+            assert flipped < 1e-3, (name, flipped)
             flips += int((diff > lr).sum())
             total += diff.numel()
         moved += int((w != before[name]).sum())
     if dtype == "bf16":
-        assert flips / total < 0.05, flips / total  # measured: about 3% of all coordinates
+        # measured: 3e-6 of all coordinates (6 of ~2M) — with the rotary buffers in BF16 on
+        # both sides; FP32 rotary on the sharded side alone flipped about 3%
+        assert flips / total < 1e-4, flips / total
     assert moved > 0  # the step changed the weights (the comparison is not of two no-ops)

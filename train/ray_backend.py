@@ -7,7 +7,8 @@ driver; what moves into actors is the work:
   group's numerics (its NumericsSpec, emulated on CPU) and its resource request: a share of the
   CPUs locally (`placement="cpu"`), or `{"GPU": 1}` plus Ray's accelerator-type label of the
   group's GPU (`placement="gpu"`, resource `accelerator_type:H100` and so on), so each group lands
-  on its GPU type in a heterogeneous cluster. An actor samples a batch of units (one GRPO group
+  on its GPU type in a heterogeneous cluster (placement only: the actor's sampling is the
+  emulated numerics on its CPU either way). An actor samples a batch of units (one GRPO group
   per unit) per call, with the weight version it is told to use.
 - **The trainer actor** holds the FP32 master and AdamW, takes the steps and writes the
   checkpoints (to `out`, which must be a path the trainer's node can write: a shared filesystem
