@@ -140,3 +140,19 @@ def serve(tmp_path):
         proc.kill()
         proc.wait(timeout=10)
         proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The embedded model in BF16 (a module's tests share one load)."""
+    from mismatch.zoo import load_model
+
+    return load_model(dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The embedded model's tokenizer."""
+    from mismatch.zoo import load_tokenizer
+
+    return load_tokenizer()

@@ -31,20 +31,6 @@ SYNC = dict(fleet="homogeneous", sync=True, tasks="arith", prompts_per_step=2,
 
 
 @pytest.fixture(scope="module")
-def model():
-    from mismatch.zoo import load_model
-
-    return load_model(dtype="bfloat16")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from mismatch.zoo import load_tokenizer
-
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def ray_session():
     """One local Ray for the in-process tests (backends reuse it and leave it up)."""
     session = start_ray(num_cpus=2)

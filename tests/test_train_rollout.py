@@ -10,7 +10,7 @@ from mismatch.engines.numerics import apply_numerics, calibrate
 from mismatch.engines.scorer import score
 from mismatch.profiles import resolve, trainer_spec
 from mismatch.records import Rollout
-from mismatch.zoo import load_model, load_tokenizer
+from mismatch.zoo import load_model
 from mismatch.zoo.episode import Episode, EpisodeConfig
 from mismatch.zoo.tasks import generate_tasks
 from probes.retokenization import _decode, _render, continuation_ids
@@ -20,16 +20,6 @@ from train.rollout import Trajectory, run_episodes
 BF16 = SamplerGroup(name="b200-bf16", spec=resolve("b200", "bf16", "bf16"), share=1.0)
 NVFP4 = SamplerGroup(name="b200-nvfp4", spec=resolve("b200", "nvfp4", "fp8"), share=1.0)
 ENDS = {"submit", "turn_limit", "format_errors"}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")

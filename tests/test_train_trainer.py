@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from mismatch.zoo import load_model, load_tokenizer
 from probes.monitor import MonitorConfig
 from train.trainer import (Publisher, TrainConfig, Unit, build_batch, latest_checkpoint,
                            preset_config, read_metrics, run)
@@ -26,16 +25,6 @@ REQUIRED = ("step", "reward", "kl", "format_error_rate", "mis_masked_fraction", 
 SMALL = dict(steps=3, prompts_per_step=2, samples_per_prompt=2, max_turns=2, max_new_tokens=40,
              candidates=16, checkpoint_every=1)
 CLI = [sys.executable, "-m", "mismatch.cli"]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(dtype="bfloat16")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")
