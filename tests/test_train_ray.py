@@ -128,6 +128,32 @@ def test_killed_sampler_actor_is_restarted_and_nothing_is_lost(ray_session, loca
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6, abs=1e-9)
 
 
+def test_a_dead_trainer_ends_the_run_resumably(ray_session, local_sync, tmp_path, model, tok):
+    import ray
+
+    from train.ray_backend import BackendError
+
+    backend = RayBackend()
+    out = tmp_path / "trainer-killed"
+
+    def kill_trainer_after_step_3(rec):  # its step-2 checkpoint is written
+        if rec["step"] == 3:
+            os.kill(ray.get(backend._actors[0].pid.remote()), signal.SIGKILL)
+
+    cfg = dict(SYNC, checkpoint_every=2)
+    with pytest.raises(BackendError, match="trainer actor died during a step.*--resume"):
+        run(preset_config("smoke", steps=4, **cfg), out, model=model, tokenizer=tok,
+            log_alerts=False, backend=backend, progress=kill_trainer_after_step_3)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    run(preset_config("smoke", steps=4, **cfg), out, resume=True, model=model, tokenizer=tok,
+        log_alerts=False, backend=RayBackend())
+    recs = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    # step 3 recomputed from the step-2 checkpoint: the uninterrupted run's step 3
+    assert recs[2]["units"] == local_sync[2]["units"]
+    assert recs[2]["loss"] == pytest.approx(local_sync[2]["loss"], rel=1e-6, abs=1e-9)
+
+
 def test_fsdp2_trainer_ranks_on_a_shared_weights_path_step_as_one_trainer_and_resume(ray_session, local_sync, tmp_path,
                                                              model, tok):
     out, shared = tmp_path / "fsdp", tmp_path / "weights"

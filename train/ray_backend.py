@@ -277,7 +277,13 @@ def _load(cfg: TrainConfig):
     return load_model(dtype="bfloat16"), load_tokenizer()
 
 
-class SamplerActor:
+class _Process:
+    def pid(self) -> int:
+        """The actor's process id (tests kill actors with it)."""
+        return os.getpid()
+
+
+class SamplerActor(_Process):
     """One replica of a sampler group: samples batches of units with a given weight version."""
 
     def __init__(self, cfg: TrainConfig, group_name: str) -> None:
@@ -285,9 +291,6 @@ class SamplerActor:
         self.group = next(g for g in fleet(cfg.fleet) if g.name == group_name)
         self.base, self.tokenizer = _load(cfg)
         self.models: dict = {}
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def generate(self, units: list[int], version: int, weights: list) -> tuple[list[Unit], float]:
         """The units' episodes (weights: [the version's object reference], fetched only when the
@@ -302,7 +305,7 @@ class SamplerActor:
                            self.cfg.samples_per_prompt), dt
 
 
-class TrainerActor:
+class TrainerActor(_Process):
     """The trainer: FP32 master and AdamW, corrected GRPO steps, checkpoints."""
 
     def __init__(self, cfg: TrainConfig, weights_dir: str | None = None, keep: int = 0) -> None:
@@ -328,7 +331,7 @@ class TrainerActor:
                                    held))
 
 
-class ShardedTrainerActor:
+class ShardedTrainerActor(_Process):
     """One rank of the FSDP2 trainer (train.distributed.ShardedTrainer) over `world` actors:
     each steps on its rows of the batch; rank 0 gathers the ranks' log-probs for the step's
     metrics, publishes the gathered BF16 weights and writes the checkpoints."""
