@@ -103,7 +103,8 @@ def main() -> None:
 
     base = rows[0][2]
     print()
-    print("| backend | wall (s) | tokens/s, steps 2..N | × local 1 thread | s/step | trainer idle |")
+    print("| backend | wall (s) | tokens/s, steps 2..N | × local 1 thread | s/step "
+          "| trainer idle |")
     print("|---|---|---|---|---|---|")
     for label, wall, tps, step_s, idle in rows:
         print(f"| {label} | {wall:.1f} | {tps:.1f} | {tps / base:.2f}× | {step_s:.2f} | "

@@ -22,7 +22,8 @@ pytest.importorskip("ray", reason="Ray is not installed (pip install 'mismatch[r
 
 from train.ray_backend import RayBackend, sampler_resources, start_ray  # noqa: E402
 from train.fleet import fleet  # noqa: E402
-from train.trainer import preset_config, read_metrics, run  # noqa: E402
+from train.trainer import (latest_checkpoint, preset_config, read_metrics,  # noqa: E402
+                           run)
 
 # sync on the one-group fleet: step s samples units [sP, (s+1)P) with version s, one batch —
 # the same computation on both backends
@@ -154,8 +155,8 @@ def test_a_dead_trainer_ends_the_run_resumably(ray_session, local_sync, tmp_path
     assert recs[2]["loss"] == pytest.approx(local_sync[2]["loss"], rel=1e-6, abs=1e-9)
 
 
-def test_fsdp2_trainer_ranks_on_a_shared_weights_path_step_as_one_trainer_and_resume(ray_session, local_sync, tmp_path,
-                                                             model, tok):
+def test_fsdp2_trainer_ranks_on_a_shared_weights_path_step_as_one_trainer_and_resume(
+        ray_session, local_sync, tmp_path, model, tok):
     out, shared = tmp_path / "fsdp", tmp_path / "weights"
     cfg = preset_config("smoke", steps=2, **SYNC)
     run(cfg, out, model=model, tokenizer=tok, log_alerts=False,
@@ -199,8 +200,8 @@ def test_smoke_run_on_ray_killed_and_resumed(tmp_path):
     proc = subprocess.Popen(cmd + [str(outs["ray"]), "--backend", "ray"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 400
-    while len(read_metrics(outs["ray"] / "metrics.jsonl")) < 2 and proc.poll() is None:
-        assert time.monotonic() < deadline, "no step 2 in time"
+    while latest_checkpoint(outs["ray"]) is None and proc.poll() is None:  # step 2's
+        assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.1)
     assert proc.poll() is None, proc.stderr.read()[-3000:]
     started = psutil.Process(proc.pid).children(recursive=True)

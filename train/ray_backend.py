@@ -65,7 +65,8 @@ from .trainer import (Pipeline, Publisher, TrainConfig, Trainer, Unit, model_at,
                       save_checkpoint, split_units)
 from .rollout import COMPUTE_DTYPES
 
-__all__ = ["RayBackend", "BackendError", "start_ray", "ACCELERATOR_LABELS", "sampler_resources", "PLACEMENTS"]
+__all__ = ["RayBackend", "BackendError", "start_ray", "ACCELERATOR_LABELS", "sampler_resources",
+           "PLACEMENTS"]
 
 log = logging.getLogger("mismatch.train")
 

@@ -123,7 +123,8 @@ def _staleness(plt, runs: list[dict[str, Any]], path: Path):
                 total[int(lag)] = total.get(int(lag), 0) + int(n)
         lags = sorted(total)
         all_tokens = sum(total.values()) or 1
-        ax.bar([x + (k - (len(runs) - 1) / 2) * width for x in lags], [total[x] / all_tokens for x in lags],
+        ax.bar([x + (k - (len(runs) - 1) / 2) * width for x in lags],
+               [total[x] / all_tokens for x in lags],
                width=width, label=r["label"])
     ax.set_xlabel("staleness (optimizer steps)")
     ax.set_ylabel("share of consumed tokens")
