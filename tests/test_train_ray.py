@@ -232,6 +232,9 @@ def test_bad_ray_input_is_one_line(tmp_path):
     for extra, needle in ((["--backend", "ray", "--replicas", "0"], "replicas must be"),
                           (["--backend", "ray", "--placement", "tpu"], "unknown placement"),
                           (["--replicas", "2"], "options of --backend ray"),
+                          (["--backend", "ray", "--address", "127.0.0.1:1"],
+                           "cannot reach a Ray cluster at 127.0.0.1:1"),
+                          (["--backend", "ray", "--address", "headnode"], "not HOST:PORT"),
                           (["--backend", "slurm"], "--backend must be local or ray")):
         proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (extra, proc.stderr)

@@ -88,6 +88,23 @@ def _ray():
     return ray
 
 
+def _check_reachable(address: str) -> None:
+    """A HOST:PORT cluster address must accept a connection (Ray itself retries forever)."""
+    if address == "auto" or "://" in address:
+        return
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except ValueError:
+        raise ValueError(f"--address {address!r} is not HOST:PORT (or auto)") from None
+    except OSError as exc:
+        raise ValueError(f"cannot reach a Ray cluster at {address} "
+                         f"({exc.strerror or type(exc).__name__}); start one with `ray start "
+                         "--head` or check the address") from None
+
+
 class RaySession:
     """A connection to Ray: a local instance this process started (and stops), or a cluster."""
 
@@ -127,6 +144,7 @@ class RaySession:
                 raise
             self.dashboard_url = ctx.dashboard_url
         else:
+            _check_reachable(address)
             try:
                 ctx = ray.init(address=address, log_to_driver=False, configure_logging=False)
                 self.dashboard_url = ctx.dashboard_url
