@@ -31,12 +31,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 _STATIC = {"fp8-act", "nvfp4-act", "nvfp4"}
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape
+def _bit_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How `a` and `b` differ in dtype, shape or bits ("" when they are the same)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}"
     va, vb = a.float().view(torch.int32), b.float().view(torch.int32)
     both_nan = torch.isnan(a) & torch.isnan(b)  # NaN payloads are not compared
     diff = int(((va != vb) & ~both_nan).sum())
-    assert diff == 0, f"{diff} of {a.numel()} elements differ in their bits"
+    return f"{diff} of {a.numel()} elements differ in their bits" if diff else ""
 
 
 def _every_finite_bf16() -> torch.Tensor:
@@ -76,8 +78,8 @@ def test_kernel_is_bit_exact_to_the_codecs(codec):
     for x, s in _cases(codec):
         if codec == "fp8-act" and s is None and x.abs().max() > 1e30:
             s = torch.tensor(1.0)  # amax/448 of 3e38 would flush everything else to zero
-        _bits_equal(fake_quant_triton(x, codec, global_scale=s),
-                    fake_quant_torch(x, codec, global_scale=s))
+        assert not _bit_diff(fake_quant_triton(x, codec, global_scale=s),
+                             fake_quant_torch(x, codec, global_scale=s)), (codec, s)
 
 
 @pytest.mark.parametrize("codec", ["fp8-act", "nvfp4-act", "mxfp4-rceil", "fp8-channel"])
@@ -120,7 +122,7 @@ def test_gemm_is_bit_exact_to_the_accumulation_model(mkn, acc):
     m, k, n = mkn
     g = torch.Generator().manual_seed(m * 7 + k)
     a, b = _fp8_grid((m, k), g), _fp8_grid((k, n), g)
-    _bits_equal(accumulate_gemm_triton(a, b, acc), accumulate_gemm_torch(a, b, acc))
+    assert not _bit_diff(accumulate_gemm_triton(a, b, acc), accumulate_gemm_torch(a, b, acc))
 
 
 def test_gemm_models_differ_and_bf16_inputs_agree():
@@ -135,12 +137,14 @@ def test_gemm_models_differ_and_bf16_inputs_agree():
     assert float(((fast - exact).abs() / exact.abs()).median()) > 1e-5
     a16 = torch.randn(17, 200, generator=g).bfloat16()
     b16 = torch.randn(23, 200, generator=g).bfloat16().t()  # a strided [K, N] view
-    _bits_equal(accumulate_gemm_triton(a16, b16, "fp32"), accumulate_gemm_torch(a16, b16, "fp32"))
+    assert not _bit_diff(accumulate_gemm_triton(a16, b16, "fp32"),
+                         accumulate_gemm_torch(a16, b16, "fp32"))
     # FP16 inputs (FP8-grid values are exact in FP16): the kernel widens them exactly
-    _bits_equal(accumulate_gemm_triton(a.half(), b.half(), "hopper-fp8-promote128"),
-                accumulate_gemm_torch(a.half(), b.half(), "hopper-fp8-promote128"))
+    assert not _bit_diff(accumulate_gemm_triton(a.half(), b.half(), "hopper-fp8-promote128"),
+                         accumulate_gemm_torch(a.half(), b.half(), "hopper-fp8-promote128"))
     custom = Accumulation(name="x", acc_mbits=10, promote_every=64, mma_k=16)
-    _bits_equal(accumulate_gemm_triton(a, b, custom), accumulate_gemm_torch(a, b, custom))
+    assert not _bit_diff(accumulate_gemm_triton(a, b, custom),
+                         accumulate_gemm_torch(a, b, custom))
     with pytest.raises(KernelError, match="mma_k a power of two"):
         accumulate_gemm_triton(a, b, Accumulation(name="y", acc_mbits=10, promote_every=None,
                                                   mma_k=8))
