@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
-import subprocess
-import sys
-import time
+
+from _peak_memory import run_workers, timed  # scripts/: beside this file
 
 
 def _worker(variant: str, tokens: int, vocab: int, repeats: int) -> None:
@@ -38,14 +36,9 @@ def _worker(variant: str, tokens: int, vocab: int, repeats: int) -> None:
         lp_t = torch.log_softmax(lt.float(), dim=-1)
         return (lp_s.exp() * (lp_s - lp_t)).sum(-1)
 
-    fn = naive if variant == "naive" else (lambda: exact_kl(ls, lt))
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
+    seconds, out = timed(naive if variant == "naive" else (lambda: exact_kl(ls, lt)), repeats)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"variant": variant, "seconds": statistics.median(times),
+    print(json.dumps({"variant": variant, "seconds": seconds,
                       "extra_peak_mib": (peak - base) / 1024, "inputs_mib":
                       2 * tokens * vocab * 2 / 2**20, "mean_kl": float(out.double().mean())}))
 
@@ -60,12 +53,9 @@ def main() -> None:
     if args.worker:
         _worker(args.worker, args.tokens, args.vocab, args.repeats)
         return
-    rows = []
-    for variant in ("naive", "chunked"):
-        res = subprocess.run([sys.executable, __file__, "--worker", variant, "--tokens",
-                              str(args.tokens), "--vocab", str(args.vocab), "--repeats",
-                              str(args.repeats)], capture_output=True, text=True, check=True)
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    rows = run_workers(__file__, ("naive", "chunked"),
+                       ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--repeats",
+                        str(args.repeats)])
     naive, chunked = rows
     print(f"# exact KL over [T={args.tokens}, V={args.vocab}] BF16 logits, both sides; "
           f"inputs {naive['inputs_mib']:.0f} MiB; median of {args.repeats}")

@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _peak_memory import run_workers, timed  # scripts/: beside this file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -71,15 +70,10 @@ def _worker(variant: str, tokens: int, vocab: int, hidden: int, k: int, repeats:
         out = scorer_head_torch(labels, hidden=h, weight=w, candidate_ids=cand)
         return out.logprobs, out.entropy, out.top1, out.candidate_logprobs
 
-    fn = naive if variant == "naive" else fused
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
+    seconds, out = timed(naive if variant == "naive" else fused, repeats)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.save([o.clone() for o in out], f"/tmp/bench_scorer_head_{variant}.pt")
-    print(json.dumps({"variant": variant, "seconds": statistics.median(times),
+    print(json.dumps({"variant": variant, "seconds": seconds,
                       "extra_peak_mib": (peak - base) / 1024,
                       "hwm_above_rss_at_start_mib": (base_hwm - base) / 1024,
                       "inputs_mib": (tokens + vocab) * hidden * 2 / 2**20}))
@@ -97,16 +91,10 @@ def main() -> None:
     if args.worker:
         _worker(args.worker, args.tokens, args.vocab, args.hidden, args.candidates, args.repeats)
         return
-    rows = []
-    for variant in ("naive", "fused"):
-        res = subprocess.run([sys.executable, __file__, "--worker", variant, "--tokens",
-                              str(args.tokens), "--vocab", str(args.vocab), "--hidden",
-                              str(args.hidden), "--candidates", str(args.candidates),
-                              "--repeats", str(args.repeats)], capture_output=True, text=True)
-        if res.returncode != 0:
-            sys.exit(f"bench_scorer_head: the {variant} worker failed (exit {res.returncode}; "
-                     f"out of memory?): {res.stderr.strip().splitlines()[-1:]}")
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    rows = run_workers(__file__, ("naive", "fused"),
+                       ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--hidden",
+                        str(args.hidden), "--candidates", str(args.candidates), "--repeats",
+                        str(args.repeats)])
     import torch
 
     a = torch.load("/tmp/bench_scorer_head_naive.pt")
