@@ -324,7 +324,24 @@ class SamplerActor(_Process):
                            self.cfg.samples_per_prompt), dt
 
 
-class TrainerActor(_Process):
+class _Publisher(_Process):
+    """What the trainer actors share: publishing a version and writing a checkpoint."""
+
+    weights_dir: str | None = None
+    keep: int = 0
+
+    def _publish(self, weights: dict[str, torch.Tensor]):
+        return write_version(self.weights_dir, weights, self.keep) if self.weights_dir \
+            else weights
+
+    def _checkpoint(self, out: str, step: int, trainer, next_unit: int, cfg: TrainConfig,
+                    older: dict[int, list]) -> str:
+        ray = _ray()
+        held = {v: read_version(ray.get(box[0])) for v, box in older.items()}
+        return str(save_checkpoint(Path(out), step, trainer, next_unit, cfg, held))
+
+
+class TrainerActor(_Publisher):
     """The trainer: FP32 master and AdamW, corrected GRPO steps, checkpoints."""
 
     def __init__(self, cfg: TrainConfig, weights_dir: str | None = None, keep: int = 0) -> None:
@@ -336,21 +353,16 @@ class TrainerActor(_Process):
         return self.trainer.step(batch)
 
     def published(self):
-        weights = self.trainer.published()
-        return write_version(self.weights_dir, weights, self.keep) if self.weights_dir \
-            else weights
+        return self._publish(self.trainer.published())
 
     def load(self, state: dict[str, Any]) -> None:
         self.trainer.load(state)
 
     def save(self, out: str, step: int, next_unit: int, older: dict[int, list]) -> str:
-        ray = _ray()
-        held = {v: read_version(ray.get(box[0])) for v, box in older.items()}
-        return str(save_checkpoint(Path(out), step, self.trainer, next_unit, self.trainer.cfg,
-                                   held))
+        return self._checkpoint(out, step, self.trainer, next_unit, self.trainer.cfg, older)
 
 
-class ShardedTrainerActor(_Process):
+class ShardedTrainerActor(_Publisher):
     """One rank of the FSDP2 trainer (train.distributed.ShardedTrainer) over `world` actors:
     each steps on its rows of the batch; rank 0 gathers the ranks' log-probs for the step's
     metrics, publishes the gathered BF16 weights and writes the checkpoints."""
@@ -407,9 +419,7 @@ class ShardedTrainerActor(_Process):
         state = self.trainer.full_state_dict()  # a collective: every rank
         if self.rank != 0:
             return None
-        weights = {n: v.to(torch.bfloat16) for n, v in state.items()}
-        return write_version(self.weights_dir, weights, self.keep) if self.weights_dir \
-            else weights
+        return self._publish({n: v.to(torch.bfloat16) for n, v in state.items()})
 
     def load(self, state: dict[str, Any]) -> None:
         self.trainer.load(state)
@@ -418,9 +428,7 @@ class ShardedTrainerActor(_Process):
         state = self.trainer.state()  # a collective: every rank
         if self.rank != 0:
             return None
-        ray = _ray()
-        held = {v: read_version(ray.get(box[0])) for v, box in older.items()}
-        return str(save_checkpoint(Path(out), step, state, next_unit, self.cfg, held))
+        return self._checkpoint(out, step, state, next_unit, self.cfg, older)
 
 
 class BackendError(RuntimeError):
@@ -466,13 +474,8 @@ class RemoteTrainer:
     def policy(self) -> torch.nn.Module:
         import copy
 
-        ray = _ray()
         model = copy.deepcopy(self.base)
-        try:
-            model.load_state_dict(read_version(ray.get(self.published())))
-        except ray.exceptions.RayActorError as exc:
-            raise BackendError(f"the trainer actor died during an export "
-                               f"({type(exc).__name__}); resume the run with --resume") from None
+        model.load_state_dict(read_version(self._all("published", what="an export")))
         return model
 
     def save(self, out: Path, step: int, next_unit: int, older: dict | None = None) -> Path:
