@@ -210,13 +210,8 @@ def probe_command(
                           staleness_checkpoints=staleness_checkpoints, ci_target=ci_target,
                           max_prompts=max(max_prompts, n_prompts), emulate=emulate,
                           trainer_kernels=trainer_kernels.lower())
-        if not (cfg.sources or cfg.ladder):
-            from mismatch.engines.te import check_te
-            from mismatch.profiles import check_local_gpu, local_gpu
-
-            check_local_gpu(cfg.gpu, local_gpu(), cfg.emulate)  # before loading anything
-            check_te(cfg.trainer_kernels)
-        elif cfg.trainer_kernels != "torch":
+        # the quick probe checks the local GPU and --trainer-kernels before it loads anything
+        if (cfg.sources or cfg.ladder) and cfg.trainer_kernels != "torch":
             raise ValueError("--trainer-kernels applies to the quick probe; the source probes "
                              "(--sources, --ladder) run the reference trainer")
         if cfg.sources or cfg.ladder:
