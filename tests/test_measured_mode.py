@@ -41,9 +41,7 @@ def test_local_gpu_must_be_the_named_one():
 
 def test_probe_on_another_gpu_is_a_one_line_error(monkeypatch):
     """Checked before any model is loaded; --emulate turns it into an emulated probe."""
-    import mismatch.profiles as profiles
-
-    monkeypatch.setattr(profiles, "local_gpu", lambda: H100)
+    monkeypatch.setattr("mismatch.probe.local_gpu", lambda: H100)  # where run_probe reads it
     res = runner.invoke(app, ["probe", "--gpu", "b200", "--dtype", "nvfp4", "--model",
                               "/no/such/dir"])
     assert "pass --emulate to emulate b200" in _error_line(res), res.stderr
