@@ -203,3 +203,29 @@ def test_experts_are_intercepted(tiny_moe):
     with apply_numerics(tiny_moe, resolve("h100", "w4a16-nvfp4")):
         emulated = block(x)
     assert not torch.equal(plain, emulated)
+
+
+def test_candidates_and_nucleus_break_ties_by_token_id():
+    """One ranking rule for ties (value descending, then id ascending), whatever torch's sort and
+    topk do with equal values on this machine: candidates and nucleus agree, support is a prefix."""
+    from mismatch.engines.sampler import ranked_topk
+
+    logits = torch.full((3, 50), -9.0)
+    logits[:, [40, 7, 23]] = 2.0        # a three-way tie at the top
+    logits[:, [31, 5]] = 1.0            # a two-way tie below it
+    logits[1] = logits[1].flip(-1)      # the same values at other ids
+    vals, ids = ranked_topk(logits, 6)
+    for row in range(3):
+        want = sorted(range(50), key=lambda t: (-float(logits[row, t]), t))[:6]
+        assert ids[row].tolist() == want
+        assert torch.equal(vals[row], logits[row, want])
+    params = SamplingParams(top_p=0.5, top_k=4, candidates=6)
+    proc = process_logits(logits, params)
+    support = torch.isfinite(proc.gather(-1, ids))
+    for row in range(3):
+        flags = support[row].tolist()
+        n = sum(flags)
+        assert flags == [True] * n + [False] * (6 - n)
+        assert n == 2  # 3 tied tokens hold ~1/3 each: the first two reach p = 0.5
+    kept = torch.isfinite(process_logits(logits, SamplingParams(top_k=4))).sum(-1)
+    assert kept.tolist() == [4, 4, 4]  # exactly k, ties at the boundary to the lowest ids

@@ -19,7 +19,7 @@ import torch
 from ..records import Rollout
 from .scorer import position_ids, record_routing
 
-__all__ = ["SamplingParams", "generate", "process_logits"]
+__all__ = ["SamplingParams", "generate", "process_logits", "ranked_topk"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,17 +51,37 @@ class SamplingParams:
                              f"{self.candidates}")
 
 
+def ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] → the k best (values, ids) of each row, ranked by value descending, then token id
+    ascending: the one ranking rule the candidates and the nucleus (`process_logits`) share.
+
+    torch's `topk` and `sort` leave the order of tied values unspecified (it differs between
+    machines), so a candidate list and a nucleus ranked by either alone may disagree on a tie."""
+    k = min(k, x.shape[-1])
+    kth = x.topk(k, dim=-1).values[:, -1:]
+    above, tied = x > kth, x == kth
+    need = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(-1) <= need))  # ties at the boundary: lowest ids
+    ids = chosen.nonzero()[:, 1].view(x.shape[0], k)  # ascending ids per row
+    vals = x.gather(-1, ids)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices  # stable: ties keep id order
+    return vals.gather(-1, order), ids.gather(-1, order)
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[B, V] FP32 logits → [B, V] log-probs of the sampling distribution (−inf outside it)."""
+    """[B, V] FP32 logits → [B, V] log-probs of the sampling distribution (−inf outside it).
+
+    The nucleus is a prefix of the ranking by value descending, then token id ascending (a
+    stable sort), the same rule as `ranked_topk`'s candidates."""
     if params.temperature == 0:
         out = torch.full_like(logits, float("-inf"))
         return out.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
     z = logits / params.temperature
-    if params.top_k:
-        kth = z.topk(min(params.top_k, z.shape[-1]), dim=-1).values[:, -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_k:  # exactly k tokens, ties at the boundary to the lowest ids
+        vals, ids = ranked_topk(z, params.top_k)
+        z = torch.full_like(z, float("-inf")).scatter(-1, ids, vals)
     if params.top_p < 1:
-        sorted_z, order = z.sort(dim=-1, descending=True)
+        sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_z, dim=-1)
         # keep a token if the mass before it is < top_p (the first token is always kept)
         drop = (probs.cumsum(-1) - probs) >= params.top_p
@@ -123,10 +143,10 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
             live = ~finished
             raw_lp.append(raw.gather(-1, token[:, None])[:, 0])
             proc_lp.append(proc.gather(-1, token[:, None])[:, 0])
-            top = raw.topk(min(params.candidates, raw.shape[-1]), dim=-1)
-            cand_ids.append(top.indices)
-            cand_lp.append(top.values)
-            in_support.append(torch.isfinite(proc.gather(-1, top.indices)))
+            top_lp, top_ids = ranked_topk(raw, params.candidates)
+            cand_ids.append(top_ids)
+            cand_lp.append(top_lp)
+            in_support.append(torch.isfinite(proc.gather(-1, top_ids)))
             done_masks.append(live.float())
             tokens.append(token)
             finished = finished | torch.isin(token, eos)
