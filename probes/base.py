@@ -56,8 +56,10 @@ class Variant:
     """Formats, GEMM accumulation, KV cache, split-K, router precision, attention family."""
     attention: bool = False
     """Run `spec.attention`'s tiled kernel (True) or the reference attention (torch SDPA)."""
-    path: Literal["teacher", "decode"] = "teacher"
-    """Teacher-forced forward over whole sequences, or the sampler's KV-cache decode path."""
+    path: Literal["teacher", "decode", "reprefill"] = "teacher"
+    """Teacher-forced forward over whole sequences, the sampler's KV-cache decode path, or that
+    path with each completion split into two turns at its midpoint and the second turn's
+    context prefilled again (a server without prefix caching) instead of kept from decoding."""
     alone: bool = False
     """Score each sequence as a batch of one (teacher path), not with the batch's others."""
     replay: bool = False
@@ -245,9 +247,11 @@ class ProbeContext:
         from mismatch.engines.scorer import score
 
         ro = batch.rollout
-        if variant.path == "decode":
+        if variant.path in ("decode", "reprefill"):
             if variant.alone or variant.replay:
                 raise ValueError("the decode path runs batches as sampled, without replay")
+            if variant.path == "reprefill":
+                return self._reprefill(variant, batch)
             pw = int(ro.meta["prompt_width"])
             replayed = self.generate(variant, batch.prompts, forced=ro.token_ids[:, pw:])
             return self._from_decode(replayed)
@@ -265,6 +269,42 @@ class ProbeContext:
                                   full=_pad_width(s.full_logprobs, self.width),
                                   routing=s.routed_experts)
             return self._alone(model, ro)
+
+    def _reprefill(self, variant: Variant, batch: Batch) -> Evaluation:
+        """The decode path in two turns: each completion's first half decoded, then its context
+        (prompt + first half) prefilled afresh and the second half decoded against that."""
+        from mismatch.engines.engine import Engine, Request
+        from mismatch.engines.numerics import apply_numerics
+
+        ro = batch.rollout
+        pw = int(ro.meta["prompt_width"])
+        spec = variant.spec
+        model = self.model(spec.compute_dtype)
+        params = self.sampling_params()
+        done = [ro.token_ids[i, pw:][ro.completion_mask[i, pw:] > 0].tolist()
+                for i in range(len(batch.prompts))]
+        cuts = [len(t) // 2 for t in done]
+        engine = Engine(model, pad_id=self.pad_id, eos_ids=self.eos_ids,
+                        slots=len(batch.prompts), with_routing=False)
+        with apply_numerics(model, spec, self.scales(spec), kernels=variant.attention):
+            first = engine.run([Request(prompt=p, params=params, forced=t[:c], keep_full=True,
+                                        tag=i)
+                                for i, (p, t, c) in enumerate(zip(batch.prompts, done, cuts))
+                                if c > 0])
+            second = engine.run([Request(prompt=p + t[:c], params=params, forced=t[c:],
+                                         keep_full=True, tag=i)
+                                 for i, (p, t, c) in enumerate(zip(batch.prompts, done, cuts))
+                                 if t])
+        vocab = second[0].full_logprobs.shape[-1]
+        n = max(len(t) for t in done)
+        lp = torch.zeros(len(done), n)
+        full = torch.zeros(len(done), n, vocab)
+        for c, turn in [(c, 0) for c in first] + [(c, 1) for c in second]:
+            i = c.request.tag
+            at = cuts[i] if turn else 0
+            lp[i, at:at + len(c.tokens)] = c.logprobs
+            full[i, at:at + len(c.tokens)] = c.full_logprobs
+        return Evaluation(logprobs=_pad_width(lp, self.width), full=_pad_width(full, self.width))
 
     def _alone(self, model, ro: Rollout) -> Evaluation:
         """Score each sequence by itself (no padding, no neighbours) and put it back in place."""

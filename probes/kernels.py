@@ -12,6 +12,10 @@ reference attention, GEMMs with one FP32 sum, router logits in the compute dtype
                  over key tiles, P rounded to BF16 before P·V (engines/attention.py)
     split_kv     decoding with that family (split-KV partials merged in FP32) vs decoding with the
                  reference attention
+    kv_reuse     KV reuse across turns (prefix caching): each completion split into two turns at
+                 its midpoint, the second turn decoding against the first turn's KV as decoding
+                 wrote it vs against its context prefilled afresh (a server without prefix
+                 caching re-prefills every turn); the target family's attention on both sides
     split_k      GEMMs split 4 ways along K, FP32 partials summed at the end (split-K / stream-K
                  reduction order) — a choice the emulated sampler does not make by default
     router_fp32  MoE router logits in FP32 (as trainers that keep the router in FP32) vs the
@@ -42,6 +46,8 @@ class KernelsProbe(PairedProbe):
             "decode": (ref, Variant(spec=t, path="decode")),
             "attention": (ref, Variant(spec=family, attention=True)),
             "split_kv": (Variant(spec=t, path="decode"),
+                         Variant(spec=family, attention=True, path="decode")),
+            "kv_reuse": (Variant(spec=family, attention=True, path="reprefill"),
                          Variant(spec=family, attention=True, path="decode")),
             "split_k": (ref, Variant(spec=with_spec(t, split_k=4))),
         }

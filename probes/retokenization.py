@@ -42,12 +42,19 @@ other ids), `reserialized` (the turns' text itself changes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from mismatch.records import Rollout
+
+from mismatch.engines.episodes import PROBE_CHAT as _PROBE_CHAT
+from mismatch.engines.episodes import EpisodeTrace, Session, continuation_ids
+from mismatch.engines.episodes import after_turn_text as _after_turn
+from mismatch.engines.episodes import decode_ids as _decode
+from mismatch.engines.episodes import encode_text as _encode
+from mismatch.engines.episodes import render_chat as _render
 
 from .base import Evaluation, ProbeContext, SourceResult, Tally
 
@@ -207,14 +214,6 @@ class RoundTrip:
         return len(self.original) - len(self.aligned)
 
 
-def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def _spans(tokenizer, ids: list[int]) -> list[tuple[int, int, int]]:
     """(start, end, id) of each token in the decoded text (ends from decoding each prefix)."""
     ends = [len(_decode(tokenizer, ids[:k + 1])) for k in range(len(ids))]
@@ -279,146 +278,42 @@ def measure_round_trips(ctx: ProbeContext, prompts: list[list[int]],
 # --------------------------------------------------------------------------------- (b) episodes
 
 
-@dataclass
-class EpisodeTrace:
-    """What the sampler saw in one conversation, and what the environment recorded."""
-
-    tito: list[int]
-    """Prompt ids, then each turn's sampled ids (closed if cut), then each continuation."""
-    turns: list[tuple[int, int]] = field(default_factory=list)
-    """(start in `tito`, sampled tokens) of each assistant turn."""
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    """The chat the trainer re-renders: system, questions, turns and environment answers."""
-    questions: list[tuple[int, int, int]] = field(default_factory=list)
-    """(len(tito), len(messages), len(turns)) when each finished question's episode ended."""
-
-    @property
-    def nudged(self) -> bool:
-        """Whether a format-error nudge (a user message) followed some turn."""
-        from mismatch.zoo.episode import NUDGE
-
-        return any(m["role"] == "user" and m["content"] == NUDGE for m in self.messages)
-
-    def first_question(self) -> EpisodeTrace:
-        """The conversation cut where its first question's episode ended."""
-        if not self.questions:
-            raise ValueError("the first question's episode has not ended")
-        n_tito, n_messages, n_turns = self.questions[0]
-        return EpisodeTrace(tito=self.tito[:n_tito], turns=self.turns[:n_turns],
-                            messages=self.messages[:n_messages], questions=self.questions[:1])
-
-
-def _render(tokenizer, messages: list[dict], *, generation: bool = False,
-            tokenize: bool = True, **kwargs):
-    from mismatch.zoo.tasks import TOOLS
-
-    out = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=generation,
-                                        tokenize=tokenize, return_dict=False, **kwargs)
-    return list(out) if tokenize else out
-
-
-_PROBE_CHAT = [{"role": "user", "content": "?"}]
-
-
-def _after_turn(tokenizer) -> str:
-    """Text the template writes after an assistant turn's end-of-turn token ("\\n" in ChatML)."""
-    closed = _render(tokenizer, _PROBE_CHAT + [{"role": "assistant", "content": "ok"}],
-                     tokenize=False)
-    eos = tokenizer.eos_token
-    return closed[closed.rindex(eos) + len(eos):]
-
-
-def continuation_ids(tokenizer, env_messages: list[dict]) -> list[int]:
-    """Ids a TITO framework appends after a finished assistant turn when the environment
-    answers with `env_messages`: the rest of the turn's line, the answer, the generation prompt
-    (for the embedded template: chat_template.continuation_text)."""
-    from mismatch.probe import ProbeError
-
-    head = _render(tokenizer, _PROBE_CHAT, tokenize=False)
-    full = _render(tokenizer, _PROBE_CHAT + list(env_messages), generation=True, tokenize=False)
-    if not full.startswith(head):
-        raise ProbeError("the chat template renders a history differently once tool or user "
-                         "messages follow; cannot build token-in-token-out continuations")
-    return _encode(tokenizer, _after_turn(tokenizer) + full[len(head):])
-
-
-class Session:
-    """One conversation of zoo tasks asked in turn, recorded token in, token out.
-
-    Each task is an `Episode` (zoo/episode.py: tool results, nudges, its own turn limit); when
-    one ends, the user asks the next task's question in the same conversation."""
-
-    def __init__(self, tokenizer, tasks: list, max_turns: int = 4) -> None:
-        from mismatch.zoo.episode import Episode, EpisodeConfig
-
-        if not tasks:
-            raise ValueError("a session needs at least one task")
-        self.tokenizer, self.tasks, self.index = tokenizer, list(tasks), 0
-        self._episode = lambda task: Episode(task, EpisodeConfig(max_turns=max_turns))
-        self.episode = self._episode(self.tasks[0])
-        messages = self.tasks[0].prompt_messages()
-        self.trace = EpisodeTrace(tito=_render(tokenizer, messages, generation=True),
-                                  messages=messages)
-
-    def step(self, ids: list[int], room: int | None = None) -> bool:
-        """Record one sampled assistant turn `ids` and what follows it; returns whether the
-        conversation goes on. `room`: the longest context that leaves space for another turn."""
-        tok, tr = self.tokenizer, self.trace
-        eos = tok.eos_token_id
-        tr.turns.append((len(tr.tito), len(ids)))
-        tr.tito.extend(ids)
-        if not ids or ids[-1] != eos:
-            tr.tito.append(eos)  # a turn cut at the length cap: the framework closes it
-        result = self.episode.step(_decode(tok, ids))
-        tr.messages.append(result.reply.to_message())
-        env = list(result.env_messages)
-        if result.done:
-            tr.questions.append((len(tr.tito), len(tr.messages), len(tr.turns)))
-            self.index += 1
-            if self.index == len(self.tasks):
-                return False
-            self.episode = self._episode(self.tasks[self.index])
-            env = [{"role": "user", "content": self.tasks[self.index].question}]
-        more = continuation_ids(tok, env)
-        if room is not None and len(tr.tito) + len(more) > room:
-            return False
-        tr.tito.extend(more)
-        tr.messages.extend(env)
-        return True
-
-
 def drive_episodes(ctx: ProbeContext, config: RetokenizationConfig,
                    on_turn=None) -> list[EpisodeTrace]:
     """Run `config.episodes` conversations of `config.questions` held-out zoo tasks each with the
-    target sampler, token in, token out."""
+    target sampler, token in, token out, through the rollout engine (each next turn joins the
+    running batch as its previous one ends; KV reused across turns). `on_turn(t)`: the furthest
+    turn any conversation has finished, as it grows."""
+    from mismatch.engines.engine import Engine
+    from mismatch.engines.episodes import drive_sessions
+    from mismatch.engines.numerics import apply_numerics
     from mismatch.zoo.tasks import generate_tasks
 
     tok = ctx.tokenizer
-    limit = getattr(ctx.model(ctx.spec.compute_dtype).config, "max_position_embeddings", None)
+    spec = ctx.sampler.spec
+    model = ctx.model(spec.compute_dtype)
+    limit = getattr(model.config, "max_position_embeddings", None)
     room = None if limit is None else limit - config.turn_tokens
     tasks = generate_tasks("heldout", config.episodes * config.questions)
     q = config.questions
     sessions = [Session(tok, tasks[i * q:(i + 1) * q], config.max_turns)
                 for i in range(config.episodes)]
-    live = [i for i, s in enumerate(sessions) if room is None or len(s.trace.tito) <= room]
-    for turn in range(config.max_turns * config.questions):
-        going = []
-        for c0 in range(0, len(live), ctx.cfg.batch_size):
-            chunk = live[c0:c0 + ctx.cfg.batch_size]
-            params = ctx.sampling_params(max_new_tokens=config.turn_tokens,
-                                         seed=ctx.cfg.seed + _EPISODE_SEED + 1000 * turn + c0)
-            ro = ctx.generate(ctx.sampler, [sessions[i].trace.tito for i in chunk],
-                              params=params)
-            pw = int(ro.meta["prompt_width"])
-            for row, i in enumerate(chunk):
-                ids = ro.token_ids[row, pw:][ro.completion_mask[row, pw:] > 0].tolist()
-                if sessions[i].step(ids, room):
-                    going.append(i)
-        live = going
-        if on_turn is not None:
-            on_turn(turn + 1)
-        if not live:
-            break
+    params = ctx.sampling_params(max_new_tokens=config.turn_tokens)
+    engine = Engine(model, pad_id=ctx.pad_id, eos_ids=ctx.eos_ids, slots=ctx.cfg.batch_size,
+                    with_routing=False)
+    furthest = 0
+
+    def turned(i: int, turn: int, comp) -> None:
+        nonlocal furthest
+        if turn + 1 > furthest:
+            furthest = turn + 1
+            if on_turn is not None:
+                on_turn(furthest)
+
+    seed = ctx.cfg.seed + _EPISODE_SEED
+    with apply_numerics(model, spec, ctx.scales(spec), kernels=ctx.sampler.attention):
+        drive_sessions(engine, sessions, params, room=room, on_turn=turned,
+                       seed_of=lambda i, turn: (seed + i) * 1000 + turn)
     return [s.trace for s in sessions]
 
 

@@ -80,8 +80,9 @@ def test_shapes_and_env_fields(bf16_runs, tasks, tok, model):
         assert traj.end_reason in ENDS and traj.reward in (0.0, 1.0)
         assert traj.group == "b200-bf16" and traj.turns == len(traj.turn_spans) >= 1
         # the sampled token is the argmax candidate or scores no higher than the top one
-        for pos, (c_ids, c_lp) in zip(traj.sampled_positions, zip(traj.candidate_ids,
-                                                                   traj.candidate_logprobs)):
+        for pos, (c_ids, c_lp) in zip(traj.sampled_positions,
+                                      zip(traj.candidate_ids.tolist(),
+                                          traj.candidate_logprobs.tolist())):
             assert traj.sampler_logprobs[pos] <= c_lp[0] + 1e-6
             assert c_lp == sorted(c_lp, reverse=True)
 
@@ -144,8 +145,9 @@ def test_top_p_support_is_the_nucleus_and_holds_the_sampled_token(model, tok, ta
     runs = run_episodes(model, tok, tasks[:2], BF16, version=0, max_new_tokens=24,
                         top_p=0.97, top_k=64, top_k_candidates=128, seed=11)
     for traj in runs:
-        for pos, ids, lps, flags in zip(traj.sampled_positions, traj.candidate_ids,
-                                        traj.candidate_logprobs, traj.candidate_support):
+        for pos, ids, lps, flags in zip(traj.sampled_positions, traj.candidate_ids.tolist(),
+                                        traj.candidate_logprobs.tolist(),
+                                        traj.candidate_support.tolist()):
             n = sum(flags)
             assert 1 <= n <= 64
             assert flags == [True] * n + [False] * (len(flags) - n)  # a prefix of the ranking

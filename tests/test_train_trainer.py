@@ -141,7 +141,7 @@ def test_batch_places_candidates_and_advantages(async_run, model, tok):
     for i, ep in enumerate(eps):
         pos = ep.sampled_positions
         assert b.mask[i].nonzero()[:, 0].tolist() == pos
-        assert b.cand_ids[i, pos].tolist() == ep.candidate_ids
+        assert b.cand_ids[i, pos].tolist() == ep.candidate_ids.tolist()
         assert torch.equal(b.sampler_logp[i, pos], torch.tensor(ep.sampler_logprobs)[pos])
         assert torch.all(b.staleness[i, pos] == 3)
         assert torch.isinf(b.cand_sampler_logp[i, ~b.mask[i]]).all()
@@ -277,8 +277,8 @@ def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok,
     eps = run_episodes(model, tok, [task_of(1, 0, ("arith",))] * 4, group, version=0,
                        max_turns=2, max_new_tokens=40, top_k_candidates=32, seed=3,
                        top_p=0.97, top_k=64)
-    for ep, r in zip(eps, (1.0, 0.0, 0.0, 0.0)):
-        ep.reward = r
+    rewarded = torch.tensor([ep.reward for ep in eps]) > 0  # the environment's rewards
+    assert rewarded.any() and not rewarded.all()  # a group with something to learn
     b = build_batch([Unit(index=0, group=group.name, version=0, episodes=eps, seconds=0.0)],
                     step=0, pad_id=0)
     trainer = Trainer(model, TrainConfig(correction=arm, lr=1e-4))
@@ -293,7 +293,10 @@ def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok,
     for _ in range(3):
         m = trainer.step(b)
     delta = seq_logp() - before
-    assert m["grad_norm"] > 0 and delta[0] > 0 and delta[1:].mean() < 0, delta
+    # shared tokens are pushed both ways; what the advantage guarantees is the contrast: the
+    # rewarded sequences gain on the unrewarded ones, and the unrewarded lose on average
+    assert m["grad_norm"] > 0 and delta[rewarded].min() > delta[~rewarded].max(), delta
+    assert delta[~rewarded].mean() < 0, delta
     # the master moved and the published BF16 weights are its cast
     master = dict(trainer.master.named_parameters())
     for name, w in trainer.published().items():

@@ -3,7 +3,7 @@
 `run_episodes` plays a batch of zoo tasks (single-question RL episodes: zoo/episode.py ends each
 on a submit, the turn limit, or three replies in a row without a tool call) with one sampler
 group's numerics active on the model. The conversation machinery is the retokenization probe's
-(`probes.retokenization.Session`): the context of turn k+1 is the context of turn k, the ids
+(`mismatch.engines.episodes.Session`): the context of turn k+1 is the context of turn k, the ids
 sampled in turn k (closed with the end-of-turn token if the length cap cut it), then the
 environment's answer rendered as the template's continuation and encoded on its own. Nothing is
 ever decoded and re-encoded, so the trainer scores exactly the sequence the sampler saw.
@@ -41,10 +41,11 @@ class Trajectory:
     """1 on tokens the policy sampled, 0 on prompt, tool-output and framework-closing tokens."""
     sampler_logprobs: list[float]
     """Raw sampler log-prob of each sampled token (0.0 elsewhere); same length as token_ids."""
-    candidate_ids: list[list[int]]
-    """Top-k candidate ids of the raw distribution, one list per sampled token (in order)."""
-    candidate_logprobs: list[list[float]]
-    """Their log-probs, one list per sampled token (in order)."""
+    candidate_ids: torch.Tensor
+    """[sampled tokens, k] int64 top-k candidate ids of the raw distribution, one row per sampled
+    token (in order)."""
+    candidate_logprobs: torch.Tensor
+    """[sampled tokens, k] float32 their log-probs."""
     policy_version: list[int]
     """Weight version that generated each sampled token (-1 on tokens not sampled)."""
     group: str
@@ -58,9 +59,9 @@ class Trajectory:
     """Assistant turns sampled."""
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     """(start in token_ids, sampled tokens) of each assistant turn."""
-    candidate_support: list[list[bool]] = field(default_factory=list)
-    """Per sampled token, which candidates lie in the sampled distribution's support (all True
-    when sampling from the full vocabulary and the candidates do not cover it)."""
+    candidate_support: torch.Tensor | None = None
+    """[sampled tokens, k] bool: which candidates lie in the sampled distribution's support (all
+    True when sampling from the full vocabulary and the candidates do not cover it)."""
     routed_experts: torch.Tensor | None = None
     """[len(token_ids), layers, k] int64 experts each MoE layer routed each position to (the
     sampler's last computation of that position; −1 where none was recorded)."""
@@ -89,17 +90,22 @@ def _eos_ids(tokenizer, model) -> set[int]:
 def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerGroup, *,
                  version: int, scales: dict | None = None, max_turns: int = 4,
                  max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, top_k_candidates: int = 128,
-                 seed: int = 0) -> list[Trajectory]:
-    """Drive one single-question episode per task under `group`'s numerics, all episodes batched
-    turn by turn. `model` must be loaded in the group's compute dtype. `scales`: static
-    activation scales of the group's spec (calibrated on the tasks' prompts when the spec
-    quantizes activations and none are given). `top_p`, `top_k`: the sampled nucleus (1.0 and
-    0: the full distribution)."""
+                 top_k: int = 0, top_k_candidates: int = 128, seed: int = 0,
+                 kv_reuse: bool = True, slots: int | None = None) -> list[Trajectory]:
+    """Drive one single-question episode per task under `group`'s numerics through the rollout
+    engine (mismatch.engines.engine): all episodes at once, each next turn joining the running
+    batch as soon as its previous turn ends, prefilling only its new tokens (`kv_reuse`; False
+    re-prefills the whole context every turn). `model` must be loaded in the group's compute
+    dtype. `scales`: static activation scales of the group's spec (calibrated on the tasks'
+    prompts when the spec quantizes activations and none are given). `top_p`, `top_k`: the
+    sampled nucleus (1.0 and 0: the full distribution). Episode i's turn t draws from its own
+    random stream (seed, i, t), whatever else runs beside it. `slots`: sequences the engine
+    holds at once (default: one per episode)."""
+    from mismatch.engines.engine import Engine
+    from mismatch.engines.episodes import Session, drive_sessions
     from mismatch.engines.numerics import apply_numerics
-    from mismatch.engines.sampler import SamplingParams, generate
     from mismatch.engines.routing import routers
-    from probes.retokenization import Session
+    from mismatch.engines.sampler import SamplingParams
 
     if not tasks:
         raise ValueError("run_episodes needs at least one task")
@@ -118,50 +124,34 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
     if spec.activation_codec is not None and not scales:
         scales = _scales_for(model, spec, [s.trace.tito for s in sessions])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos_ids = _eos_ids(tokenizer, model)
-    k = min(top_k_candidates, vocab)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, top_k=top_k, candidates=min(top_k_candidates, vocab))
     logprobs: list[dict[int, float]] = [{} for _ in sessions]
-    cands: list[list[tuple[list[int], list[float]]]] = [[] for _ in sessions]
-    support: list[list[list[bool]]] = [[] for _ in sessions]
+    cands: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in sessions]
     routed: list[torch.Tensor | None] = [None for _ in sessions]
-    live = [i for i, s in enumerate(sessions) if room is None or len(s.trace.tito) <= room]
-    cut: set[int] = set(range(len(sessions))) - set(live)
+
+    def on_turn(i: int, turn: int, comp) -> None:
+        start = len(sessions[i].trace.tito)
+        for j, lp in enumerate(comp.logprobs.tolist()):
+            logprobs[i][start + j] = lp
+        cands[i].append((comp.candidate_ids, comp.candidate_logprobs,
+                         comp.candidate_in_support))
+        if comp.routed_experts is not None:
+            routed[i] = comp.routed_experts  # positions 0 … the turn's last sampled id
+
+    engine = Engine(model, pad_id=pad_id, eos_ids=_eos_ids(tokenizer, model),
+                    slots=slots or len(sessions), kv_reuse=kv_reuse,
+                    with_routing=bool(routers(model)))
     with apply_numerics(model, spec, scales):
-        for turn in range(max_turns):
-            if not live:
-                break
-            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_p=top_p, top_k=top_k, candidates=k,
-                                    seed=seed + _TURN_SEED * turn)
-            ro = generate(model, [sessions[i].trace.tito for i in live], params, pad_id=pad_id,
-                          eos_ids=eos_ids, label=spec.label, with_routing=bool(routers(model)))
-            pw = int(ro.meta["prompt_width"])
-            going = []
-            for row, i in enumerate(live):
-                keep = ro.completion_mask[row, pw:] > 0
-                ids = ro.token_ids[row, pw:][keep].tolist()
-                start = len(sessions[i].trace.tito)
-                for j, lp in enumerate(ro.sampler_logprobs[row, pw:][keep].tolist()):
-                    logprobs[i][start + j] = lp
-                cands[i].extend(zip(ro.candidate_ids[row, pw:][keep].tolist(),
-                                    ro.candidate_logprobs[row, pw:][keep].tolist()))
-                support[i].extend(ro.meta["candidate_in_support"][row, pw:][keep].tolist())
-                if ro.routed_experts is not None:
-                    # each turn re-prefills the whole context (right-aligned at prompt_width),
-                    # so the latest turn's span covers positions 0 … its last sampled id
-                    routed[i] = ro.routed_experts[row, pw - start:pw + len(ids)]
-                if sessions[i].step(ids, room):
-                    going.append(i)
-                elif not sessions[i].episode.done:
-                    cut.add(i)
-            live = going
+        cut = drive_sessions(engine, sessions, params, room=room, on_turn=on_turn,
+                             seed_of=lambda i, turn: _stream_seed(seed, i, turn))
     out = []
     for i, s in enumerate(sessions):
         tr, ep = s.trace, s.episode
         n = len(tr.tito)
         experts = None
         if routed[i] is not None:
-            span = routed[i]
+            span = routed[i][:n]
             experts = torch.full((n, *span.shape[1:]), -1, dtype=torch.long)
             experts[:span.shape[0]] = span
         mask = [0] * n
@@ -170,10 +160,16 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
         lps = [logprobs[i].get(p, 0.0) for p in range(n)]
         out.append(Trajectory(
             token_ids=list(tr.tito), sampled_mask=mask, sampler_logprobs=lps,
-            candidate_ids=[c for c, _ in cands[i]], candidate_logprobs=[c for _, c in cands[i]],
-            candidate_support=support[i], routed_experts=experts,
+            candidate_ids=torch.cat([c[0] for c in cands[i]]),
+            candidate_logprobs=torch.cat([c[1] for c in cands[i]]),
+            candidate_support=torch.cat([c[2] for c in cands[i]]), routed_experts=experts,
             policy_version=[version if m else -1 for m in mask], group=group.name,
             reward=float(ep.reward),
-            end_reason="context_limit" if i in cut else str(ep.end_reason),
+            end_reason="context_limit" if cut[i] else str(ep.end_reason),
             turns=len(tr.turns), turn_spans=list(tr.turns)))
     return out
+
+
+def _stream_seed(seed: int, episode: int, turn: int) -> int:
+    """The random stream of one turn of one episode: a function of (seed, episode, turn) only."""
+    return (seed * 1_000_003 + episode) * _TURN_SEED + turn

@@ -116,7 +116,10 @@ class TrainConfig:
     """Forced staleness K: step s trains on episodes sampled with version max(0, s − K), one
     step of units at a time (exact, reproducible; None: the pipeline's natural staleness)."""
     workers: int = 1
-    """Sampler worker threads."""
+    """Sampler worker threads (with sampler processes: at least one per process)."""
+    sampler_processes: int = 0
+    """Sampler worker processes of one torch thread each (mismatch.engines.workers): the
+    rollouts run beside the trainer on other cores. 0: in this process's worker threads."""
     queue_steps: int = 2
     """Back-pressure of the unbounded pipeline: steps' worth of units claimed ahead at most."""
     checkpoint_every: int = 10
@@ -149,6 +152,8 @@ class TrainConfig:
         if self.eval_tasks < 0 or self.eval_samples < 1:
             raise ValueError(f"eval-tasks must be >= 0 and eval-samples >= 1, got "
                              f"{self.eval_tasks}, {self.eval_samples}")
+        if self.sampler_processes < 0:
+            raise ValueError(f"sampler-processes must be >= 0, got {self.sampler_processes}")
         for name in ("steps", "prompts_per_step", "max_turns", "max_new_tokens", "candidates",
                      "top_p_max_tokens", "workers", "queue_steps", "checkpoint_every",
                      "threads"):
@@ -197,7 +202,7 @@ class TrainConfig:
 
     # fields a resume may change without changing what the run computes
     RESUMABLE = ("steps", "checkpoint_every", "threads", "workers", "eval_tasks",
-                 "eval_samples")
+                 "eval_samples", "sampler_processes")
 
 
 RUN_PRESETS: dict[str, dict[str, Any]] = {
@@ -284,9 +289,9 @@ def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
         slp[i, :n] = torch.tensor(ep.sampler_logprobs)
         pos = torch.tensor(ep.sampled_positions, dtype=torch.long)
         if len(pos):
-            cand_ids[i, pos] = torch.tensor(ep.candidate_ids)
-            cand_slp[i, pos] = torch.tensor(ep.candidate_logprobs)
-            support[i, pos] = torch.tensor(ep.candidate_support, dtype=torch.bool)
+            cand_ids[i, pos] = torch.as_tensor(ep.candidate_ids)
+            cand_slp[i, pos] = torch.as_tensor(ep.candidate_logprobs)
+            support[i, pos] = torch.as_tensor(ep.candidate_support, dtype=torch.bool)
             stale[i, pos] = float(step) - torch.tensor(ep.policy_version, dtype=torch.float)[pos]
     rewards = torch.tensor([[ep.reward for ep in u.episodes] for u in units])
     return Batch(ids=ids, attention=attention, mask=mask, sampler_logp=slp, cand_ids=cand_ids,
@@ -496,6 +501,22 @@ def sample_units(model: torch.nn.Module, tokenizer, cfg: TrainConfig, group: Sam
         seed=_unit_seed(units[0], cfg.seed))
 
 
+def sample_in_worker(cfg: TrainConfig, group: SamplerGroup, units: list[int], version: int,
+                     weights: dict[str, torch.Tensor]) -> tuple[list[Trajectory], float]:
+    """`sample_units` inside a sampler process (mismatch.engines.workers): the process keeps its
+    model per compute dtype and loads `weights` (mapped from shared memory) only when `version`
+    changes. Returns the episodes and the seconds spent sampling them."""
+    from mismatch.engines.workers import worker_state
+
+    state = worker_state()
+    base, tokenizer = state["setup"]
+    model = model_at(state.setdefault("models", {}), base,
+                     COMPUTE_DTYPES[group.spec.compute_dtype], version, weights)
+    t0 = time.perf_counter()
+    eps = sample_units(model, tokenizer, cfg, group, units, version)
+    return eps, time.perf_counter() - t0
+
+
 def split_units(eps: list[Trajectory], batch: list[tuple[int, Any]], group: str, version: int,
                 seconds: float, n: int) -> list[Unit]:
     """The units of one batched generation (n episodes each, in claim order)."""
@@ -512,9 +533,10 @@ class Pipeline:
     """Sampler worker threads feeding finished units into a queue, gated as the config says."""
 
     def __init__(self, cfg: TrainConfig, groups: list[SamplerGroup], model, tokenizer,
-                 publisher: Publisher, start_unit: int) -> None:
+                 publisher: Publisher, start_unit: int, pool=None) -> None:
         self.cfg, self.groups, self.tokenizer, self.publisher = cfg, groups, tokenizer, publisher
         self._base = model
+        self.pool = pool  # sampler processes (mismatch.engines.workers.WorkerPool), or None
         self.router = Router(groups, seed=cfg.seed)
         for u in range(start_unit):  # replay: unit u's group is the router's u-th assignment
             self.router.assign(u)
@@ -528,7 +550,8 @@ class Pipeline:
         self.busy_seconds = 0.0
 
     def start(self) -> None:
-        for w in range(self.cfg.workers):
+        threads = max(self.cfg.workers, self.pool.size if self.pool is not None else 0)
+        for w in range(threads):
             th = threading.Thread(target=self._work, name=f"sampler-{w}", daemon=True)
             th.start()
             self._threads.append(th)
@@ -599,8 +622,18 @@ class Pipeline:
 
     def _generate(self, batches: list[list[tuple[int, SamplerGroup]]], version: int, weights,
                   models: dict) -> list[Unit]:
-        """Sample the claimed units, one batch per sampler group, with weight `version`."""
+        """Sample the claimed units, one batch per sampler group, with weight `version` (in the
+        sampler processes, spread over them, when the pipeline has a pool)."""
         done: list[Unit] = []
+        if self.pool is not None:
+            calls = [(self.cfg, batch[0][1], [u for u, _ in batch], version, weights)
+                     for batch in batches]
+            for batch, (eps, dt) in zip(batches, self.pool.map(sample_in_worker, calls)):
+                with self._cond:
+                    self.busy_seconds += dt
+                done += split_units(eps, batch, batch[0][1].name, version, dt,
+                                    self.cfg.samples_per_prompt)
+            return done
         for batch in batches:
             group = batch[0][1]
             model = model_at(models, self._base, COMPUTE_DTYPES[group.spec.compute_dtype],
@@ -617,7 +650,8 @@ class Pipeline:
     @property
     def faults(self) -> dict[str, int]:
         """Sampler failures survived: restarts and the units (episodes) sampled again."""
-        return {"sampler_restarts": 0, "requeued_units": 0}
+        return {"sampler_restarts": self.pool.restarts if self.pool is not None else 0,
+                "requeued_units": 0}
 
     def take(self) -> Unit:
         item = self.results.get()
@@ -780,23 +814,35 @@ def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
 
 
 class LocalBackend:
-    """Samplers as threads of this process, the trainer in it (`--backend local`)."""
+    """The trainer in this process; samplers in its worker threads, or (cfg.sampler_processes)
+    in worker processes of one torch thread each, fed weights through shared memory
+    (`--backend local`)."""
 
     name = "local"
+
+    def __init__(self) -> None:
+        self.pool = None
 
     def trainer(self, model: torch.nn.Module, cfg: TrainConfig) -> Trainer:
         return Trainer(model, cfg)
 
     def pipeline(self, cfg: TrainConfig, groups: list[SamplerGroup], model, tokenizer,
                  publisher: Publisher, start_unit: int) -> Pipeline:
-        return Pipeline(cfg, groups, model, tokenizer, publisher, start_unit)
+        if cfg.sampler_processes and self.pool is None:
+            from mismatch.engines.workers import WorkerPool
+
+            log.info("starting %d sampler processes", cfg.sampler_processes)
+            self.pool = WorkerPool(cfg.sampler_processes, (copy.deepcopy(model), tokenizer))
+        return Pipeline(cfg, groups, model, tokenizer, publisher, start_unit, pool=self.pool)
 
     def put(self, weights: dict[str, torch.Tensor]):
         """A published weight version as the pipeline holds it (here: the tensors)."""
         return weights
 
     def close(self) -> None:
-        pass
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
 
 def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | None = None,

@@ -1,25 +1,24 @@
-"""The emulated sampler: batched KV-cache generation that reports log-probs as engines do.
+"""Sampling: the processed distribution, the candidate ranking, and one-batch generation.
 
-Generation runs the decode path a serving engine runs — a prefill of the (left-padded) prompts,
-then one token per step against the KV cache — under whatever numerics are active
-(`numerics.apply_numerics`). For every sampled token it records the raw log-prob (temperature 1,
-full vocabulary: what the trainer's log π is compared with), the processed log-prob (under the
-distribution actually sampled from, after temperature / top-k / top-p: what vLLM calls
-"processed_logprobs" and a known source of spurious mismatch when confused with the raw one),
-and the top-K candidates of the raw distribution.
+`generate` runs a batch of prompts through the rollout engine (engine.py: slots, a preallocated
+KV cache, per-sequence random streams) — a prefill of each prompt, then one token per step
+against the KV cache, the decode path a serving engine runs — under whatever numerics are active
+(`numerics.apply_numerics`), and returns a left-padded `Rollout`. For every sampled token it
+records the raw log-prob (temperature 1, full vocabulary: what the trainer's log π is compared
+with), the processed log-prob (under the distribution actually sampled from, after temperature /
+top-k / top-p: what vLLM calls "processed_logprobs" and a known source of spurious mismatch when
+confused with the raw one), and the top-K candidates of the raw distribution.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from ..records import Rollout
-from .scorer import position_ids, record_routing
 
-__all__ = ["SamplingParams", "generate", "process_logits", "ranked_topk"]
+__all__ = ["SamplingParams", "generate", "process_logits", "ranked_topk", "row_seed", "to_rollout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,99 +94,78 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
              pad_id: int, eos_ids: set[int], label: str, mode: str = "emulated",
              with_routing: bool = True, forced: torch.Tensor | None = None,
              keep_full: bool = False) -> Rollout:
-    """Sample completions for token-id prompts under the numerics active on `model`.
+    """Sample completions for token-id prompts under the numerics active on `model`: one batch
+    through the rollout engine (engine.py), every prompt in its own slot from the first step,
+    returned as a left-padded `Rollout`. Row i draws from the random stream
+    `row_seed(params.seed, i)`.
 
     forced: [B, n] completion tokens to feed instead of sampling (a replay of an earlier rollout
     of the same prompts through this decode path: its log-probs are what this configuration
-    would have reported for those tokens). keep_full: also keep the whole raw log-softmax of
-    every step, `meta["full_logprobs"]` [B, n, V] FP32. `meta["candidate_in_support"]` [B, T, K]
-    bool marks the candidates inside the distribution sampled from (top-k / top-p support)."""
+    would have reported for those tokens; a row ends at its first EOS). keep_full: also keep the
+    whole raw log-softmax of every step, `meta["full_logprobs"]` [B, n, V] FP32 (zeros after a
+    row's end). `meta["candidate_in_support"]` [B, T, K] bool marks the candidates inside the
+    distribution sampled from (top-k / top-p support)."""
+    from .engine import Engine, Request
+    from .routing import routers
+
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
     if forced is not None and (forced.ndim != 2 or forced.shape[0] != len(prompts)
                                or forced.shape[1] < 1):
         raise ValueError(f"forced tokens must be [{len(prompts)}, n >= 1], got "
                          f"{tuple(forced.shape)}")
-    b, p = len(prompts), max(len(x) for x in prompts)
-    ids = torch.full((b, p), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, p), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        ids[i, p - len(prompt):] = torch.tensor(prompt)
-        mask[i, p - len(prompt):] = 1
-    device = next(model.parameters()).device
-    ids, mask = ids.to(device), mask.to(device)
-    g = torch.Generator(device=device).manual_seed(params.seed)
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    raw_lp, proc_lp, cand_ids, cand_lp, done_masks, tokens = [], [], [], [], [], []
-    in_support: list[torch.Tensor] = []
-    full: list[torch.Tensor] = []
-    steps = params.max_new_tokens if forced is None else forced.shape[1]
-    routing: list[list[torch.Tensor]] = []
-    ctx = record_routing(model, routing) if with_routing else contextlib.nullcontext()
-    with ctx:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                    use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        finished = torch.zeros(b, dtype=torch.bool, device=device)
-        for step in range(steps):
-            logits = out.logits[:, -1].float()
-            raw = torch.log_softmax(logits, dim=-1)
-            proc = process_logits(logits, params)
-            if forced is None:
-                token = torch.multinomial(proc.exp(), 1, generator=g)[:, 0]
-            else:
-                token = forced[:, step].to(device)
-            if keep_full:
-                full.append(raw.cpu())
-            token = torch.where(finished, torch.full_like(token, pad_id), token)
-            live = ~finished
-            raw_lp.append(raw.gather(-1, token[:, None])[:, 0])
-            proc_lp.append(proc.gather(-1, token[:, None])[:, 0])
-            top_lp, top_ids = ranked_topk(raw, params.candidates)
-            cand_ids.append(top_ids)
-            cand_lp.append(top_lp)
-            in_support.append(torch.isfinite(proc.gather(-1, top_ids)))
-            done_masks.append(live.float())
-            tokens.append(token)
-            finished = finished | torch.isin(token, eos)
-            mask = torch.cat([mask, live.long()[:, None]], dim=1)
-            if bool(finished.all()):
-                break
-            out = model(input_ids=token[:, None], attention_mask=mask,
-                        position_ids=position_ids(mask)[:, -1:], past_key_values=cache,
-                        use_cache=True)
-            cache = out.past_key_values
-    n = len(tokens)
-    ids, mask = ids.cpu(), mask.cpu()
-    tokens, done_masks = [x.cpu() for x in tokens], [x.cpu() for x in done_masks]
-    raw_lp, proc_lp = [x.cpu() for x in raw_lp], [x.cpu() for x in proc_lp]
-    cand_ids, cand_lp = [x.cpu() for x in cand_ids], [x.cpu() for x in cand_lp]
-    routing = [[c.cpu() for c in calls] for calls in routing]
-    zeros = torch.zeros(b, p)
-    k = cand_ids[0].shape[-1]
-    rollout = Rollout(
-        token_ids=torch.cat([ids, torch.stack(tokens, 1)], dim=1),
-        attention_mask=mask[:, :p + n],
-        completion_mask=torch.cat([zeros, torch.stack(done_masks, 1)], dim=1),
-        sampler_logprobs=torch.cat([zeros, torch.stack(raw_lp, 1)], dim=1),
-        sampler_logprobs_processed=torch.cat([zeros, torch.stack(proc_lp, 1)], dim=1),
-        candidate_ids=torch.cat([torch.zeros(b, p, k, dtype=torch.long),
-                                 torch.stack(cand_ids, 1)], dim=1),
-        candidate_logprobs=torch.cat([torch.zeros(b, p, k), torch.stack(cand_lp, 1)], dim=1),
-        sampler=label, mode=mode,
-        meta={"prompt_width": p,
-              "candidate_in_support": torch.cat([torch.zeros(b, p, k, dtype=torch.bool),
-                                                 torch.stack(in_support, 1).cpu()], dim=1)})
-    if keep_full:
-        rollout.meta["full_logprobs"] = torch.stack(full, 1)
-    if routing and all(r for r in routing):
-        # per layer: the prefill call [B·P, k], then one [B, k] call per generated token but
-        # the last (whose KV was never needed) — so the last generated position has no routing
-        per_layer = []
-        for calls in routing:
-            steps = [calls[0].view(b, p, -1)] + [c.view(b, 1, -1) for c in calls[1:]]
-            seq = torch.cat(steps, dim=1)
-            pad = torch.full((b, p + n - seq.shape[1], seq.shape[-1]), -1, dtype=torch.long)
-            per_layer.append(torch.cat([seq, pad], dim=1))
-        rollout.routed_experts = torch.stack(per_layer, dim=2)
+    requests = [Request(prompt=list(p), params=params, seed=row_seed(params.seed, i),
+                        forced=None if forced is None else forced[i].tolist(),
+                        keep_full=keep_full) for i, p in enumerate(prompts)]
+    engine = Engine(model, pad_id=pad_id, eos_ids=eos_ids, slots=len(prompts),
+                    with_routing=with_routing and bool(routers(model)))
+    return to_rollout(engine.run(requests), pad_id=pad_id, label=label, mode=mode)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The random stream of row `row` of a `generate` call seeded `seed`."""
+    return seed * 1_000_003 + row
+
+
+def to_rollout(completions: list, *, pad_id: int, label: str, mode: str) -> Rollout:
+    """Engine completions → one left-padded `Rollout` (prompt right-aligned at `prompt_width`,
+    completions after it, pad and zeros beyond each row's end)."""
+    b = len(completions)
+    p = max(len(c.request.prompt) for c in completions)
+    n = max(len(c.tokens) for c in completions)
+    k = completions[0].candidate_ids.shape[-1]
+    ids = torch.full((b, p + n), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, p + n), dtype=torch.long)
+    comp = torch.zeros(b, p + n)
+    raw, proc = torch.zeros(b, p + n), torch.zeros(b, p + n)
+    cand_ids = torch.zeros(b, p + n, k, dtype=torch.long)
+    cand_lp = torch.zeros(b, p + n, k)
+    support = torch.zeros(b, p + n, k, dtype=torch.bool)
+    routed = None
+    if all(c.routed_experts is not None for c in completions):
+        shape = completions[0].routed_experts.shape[1:]
+        routed = torch.full((b, p + n, *shape), -1, dtype=torch.long)
+    full = None
+    if all(c.full_logprobs is not None for c in completions):
+        full = torch.zeros(b, n, completions[0].full_logprobs.shape[-1])
+    for i, c in enumerate(completions):
+        lp, m = len(c.request.prompt), len(c.tokens)
+        ids[i, p - lp:p] = torch.tensor(c.request.prompt)
+        ids[i, p:p + m] = torch.tensor(c.tokens)
+        mask[i, p - lp:p + m] = 1
+        comp[i, p:p + m] = 1.0
+        raw[i, p:p + m], proc[i, p:p + m] = c.logprobs, c.logprobs_processed
+        cand_ids[i, p:p + m], cand_lp[i, p:p + m] = c.candidate_ids, c.candidate_logprobs
+        support[i, p:p + m] = c.candidate_in_support
+        if routed is not None:
+            routed[i, p - lp:p + m] = c.routed_experts
+        if full is not None:
+            full[i, :m] = c.full_logprobs
+    rollout = Rollout(token_ids=ids, attention_mask=mask, completion_mask=comp,
+                      sampler_logprobs=raw, sampler_logprobs_processed=proc,
+                      candidate_ids=cand_ids, candidate_logprobs=cand_lp, sampler=label,
+                      mode=mode, routed_experts=routed,
+                      meta={"prompt_width": p, "candidate_in_support": support})
+    if full is not None:
+        rollout.meta["full_logprobs"] = full
     return rollout

@@ -1,0 +1,529 @@
+"""The rollout engine: continuous batching over a preallocated slot KV cache, with KV reuse.
+
+What a serving engine (vLLM, SGLang) does to keep a batch full, done here on the emulated model
+under whatever numerics are active on it (`numerics.apply_numerics`: weight and activation
+formats, accumulation models, attention kernel families with split-KV decode, FP8 KV cache,
+router precision):
+
+- **Slots.** The engine holds `slots` sequences at once. A request takes a free slot, is
+  prefilled, then decodes one token per engine step together with every other running sequence;
+  it leaves at EOS, at its length cap, or at the end of its forced tokens, and a waiting request
+  takes its slot at the next step. Nobody decodes padding while the longest reply finishes.
+- **Preallocated KV cache.** Per layer one [slots, kv_heads, capacity, head_dim] key and value
+  tensor in the compute dtype; a step writes its new positions in place (`SlotCache.update`) and
+  attention reads the first `Tk` positions of the batch's slots (Tk = the longest context among
+  them). No per-step concatenation; the capacity grows (one copy) only when a request needs a
+  longer context than any before it.
+- **KV reuse across turns.** A request that names a `session` keeps its slot and KV after it
+  finishes. The session's next request (a later turn of the same conversation) prefills only what
+  follows the longest common prefix of its prompt and the cached tokens, as SGLang's radix cache
+  and vLLM's prefix caching do: the earlier turns' KV is the one their prefill and decode steps
+  wrote. `kv_reuse=False` re-prefills every request from its first token (the switch the kernels
+  probe uses to measure the difference). Idle sessions are evicted least recently used first
+  when a request needs their slot; an evicted session's next request is prefilled in full.
+- **Per-sequence random streams.** Each request carries its own `seed`; the uniform that draws
+  its j-th token is a counter-based hash of (seed, j) (SplitMix64), sampled by inverse CDF over
+  the processed distribution. A sequence's draws therefore never depend on which other sequences
+  share its batch, or when it joined.
+
+What is batch-invariant and what is not. Invariant: each sequence's random draws, its prompt,
+positions and mask, the activation scales (static, per tensor) and dynamic per-group scales
+(per row). Not invariant, as on a real server: the decode attention's split-KV partition and
+tile walk cover Tk = the longest context in the batch, and a CPU GEMM may block its reduction by
+the batch's row count, so log-probs can differ in their last bits with the batch's composition
+(the batch-composition source of the kernels probe); a sampled token changes only where such a
+difference moves the inverse CDF across a token boundary.
+
+Per generated token a `Completion` holds the raw log-prob (temperature 1, full vocabulary), the
+processed log-prob (the distribution sampled from), the top-K candidates of the raw distribution
+ranked by `sampler.ranked_topk` with the flags of those inside the sampled support, optionally
+the whole raw log-softmax, and (MoE models) the experts each router chose for every position the
+engine computed (−1 where none: the last sampled token is never fed back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable
+
+import torch
+from transformers.cache_utils import Cache
+
+from .routing import routers as find_routers
+from .sampler import SamplingParams, process_logits, ranked_topk
+
+__all__ = ["Request", "Completion", "Engine", "EngineStats", "stream_uniform"]
+
+_MASK64 = (1 << 64) - 1
+_CAPACITY_STEP = 256  # the KV capacity grows in whole multiples of this many positions
+
+
+def stream_uniform(seed: int, index: int) -> float:
+    """The index-th uniform in [0, 1) of the stream `seed`: SplitMix64 of a counter (Steele,
+    Lea & Flood 2014), top 53 bits. Pure Python integers: exact on every machine."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
+@dataclass
+class Request:
+    """One sequence to complete."""
+
+    prompt: list[int]
+    """Token ids of the context (non-empty)."""
+    params: SamplingParams
+    """Length cap, temperature, top-k / top-p, candidates recorded (seed unused: see `seed`)."""
+    seed: int = 0
+    """This sequence's random stream."""
+    forced: list[int] | None = None
+    """Tokens to feed instead of sampling (teacher forcing through the decode path)."""
+    session: Hashable | None = None
+    """Keep the KV after finishing, for this session's next request (KV reuse across turns)."""
+    keep_full: bool = False
+    """Also keep the whole raw log-softmax of every generated position."""
+    tag: Any = None
+    """The caller's: handed back on the completion."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("a request needs a non-empty prompt")
+        if self.forced is not None and not self.forced:
+            raise ValueError("forced tokens, when given, must be non-empty")
+
+
+@dataclass
+class Completion:
+    """What the engine produced for one request."""
+
+    request: Request
+    tokens: list[int]
+    """Generated (or forced) ids, EOS included when sampled."""
+    logprobs: torch.Tensor
+    """[n] FP32 raw log-probs of `tokens`."""
+    logprobs_processed: torch.Tensor
+    """[n] FP32 log-probs under the distribution sampled from."""
+    candidate_ids: torch.Tensor
+    """[n, K] int64 top-K of the raw distribution (value descending, then id ascending)."""
+    candidate_logprobs: torch.Tensor
+    """[n, K] FP32."""
+    candidate_in_support: torch.Tensor
+    """[n, K] bool: the candidate lies in the distribution sampled from."""
+    finish_reason: str
+    """"eos", "length" (the request's cap), "forced" (end of forced tokens) or "context" (the
+    engine's context limit)."""
+    cached_tokens: int
+    """Prompt tokens whose KV came from the session's cache (not prefilled again)."""
+    routed_experts: torch.Tensor | None = None
+    """[len(prompt) + n, L, k] int64 experts per MoE layer for each position, −1 where none."""
+    full_logprobs: torch.Tensor | None = None
+    """[n, V] FP32 whole raw log-softmax (when the request asked)."""
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine, cumulative."""
+
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    requests: int = 0
+    evictions: int = 0
+    busy_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.busy_s if self.busy_s else 0.0
+
+
+class SlotCache(Cache):
+    """Per-layer [slots, kv_heads, capacity, head_dim] keys and values, written in place.
+
+    Before each forward the engine calls `plan` with the batch's slots, their start positions and
+    new-token counts; `update` then writes each row's new keys/values at its positions and
+    returns the first `tk` positions of the batch's slots for attention."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(layers=[])
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self._plan: tuple | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to `capacity` positions, keeping what is cached."""
+        old = self.capacity
+        if capacity <= old:
+            return
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                bigger = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
+                bigger[:, :, :old] = t
+                store[i] = bigger
+
+    def plan(self, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+             width: int, tk: int) -> None:
+        """rows [B] slots, starts [B] first new position, counts [B] new tokens (≤ width, the
+        padded query length); attention will read positions [0, tk) of each row's slot."""
+        j = torch.arange(width, device=rows.device)
+        valid = j[None, :] < counts[:, None]  # [B, width]
+        b_idx, j_idx = valid.nonzero(as_tuple=True)
+        n = rows.shape[0]
+        lo = int(rows[0])
+        contiguous = bool((rows == torch.arange(lo, lo + n, device=rows.device)).all())
+        self._plan = (rows, b_idx, j_idx, rows[b_idx], starts[b_idx] + j_idx, tk,
+                      (lo, lo + n) if contiguous else None)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, b_idx, j_idx, slot_idx, pos_idx, tk, span = self._plan
+        out = []
+        for store, new in ((self.keys, key_states), (self.values, value_states)):
+            cache = store[layer_idx]
+            cache[slot_idx, :, pos_idx] = new.transpose(1, 2)[b_idx, j_idx].to(cache.dtype)
+            if span is not None:  # one contiguous copy: attention kernels stream it many times
+                out.append(cache[span[0]:span[1], :, :tk].contiguous())
+            else:
+                out.append(cache[:, :, :tk].index_select(0, rows))
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self._plan is None else self._plan[5]
+
+
+@dataclass
+class _Seq:
+    """A running request in its slot."""
+
+    request: Request
+    slot: int
+    cached: int
+    tokens: list[int] = field(default_factory=list)
+    pending: int | None = None  # the last sampled token, not yet in the cache
+
+
+@dataclass
+class _SlotState:
+    tokens: list[int] = field(default_factory=list)  # ids whose KV the slot holds, in order
+    session: Hashable | None = None
+    routing: torch.Tensor | None = None  # [capacity, L, k] experts per cached position
+
+
+class Engine:
+    """Continuous batching of `Request`s on `model` (see the module docstring).
+
+    `run` serves a list of requests (and, through `on_finish`, the follow-up requests of
+    multi-turn conversations as each turn ends) and returns their completions in order of
+    submission. The model is used as it is configured when `run` is called: enter
+    `apply_numerics` around it for an emulated sampler."""
+
+    def __init__(self, model: torch.nn.Module, *, pad_id: int, eos_ids: Iterable[int],
+                 slots: int = 64, max_len: int | None = None, kv_reuse: bool = True,
+                 with_routing: bool = True) -> None:
+        if slots < 1:
+            raise ValueError(f"an engine needs at least one slot, got {slots}")
+        self.model, self.pad_id, self.slots, self.kv_reuse = model, pad_id, slots, kv_reuse
+        self.eos_ids = sorted(set(eos_ids))
+        config = model.config
+        limit = getattr(config, "max_position_embeddings", None)
+        self.max_len = max_len or limit or 4096
+        if limit is not None and self.max_len > limit:
+            raise ValueError(f"max_len {self.max_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        self.routers = find_routers(model) if with_routing else []
+        self.stats = EngineStats()
+        self._cache: SlotCache | None = None
+        self._state = [_SlotState() for _ in range(slots)]
+        self._sessions: OrderedDict[Hashable, int] = OrderedDict()  # session → slot, LRU first
+        self._device = next(model.parameters()).device
+
+    # ------------------------------------------------------------------ cache and slots
+
+    def _ensure_cache(self, need: int) -> SlotCache:
+        need = min(self.max_len, -(-need // _CAPACITY_STEP) * _CAPACITY_STEP)
+        if self._cache is None:
+            cfg = self.model.config
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            dtype = next(self.model.parameters()).dtype
+            self._cache = SlotCache(cfg.num_hidden_layers, self.slots, kv_heads, head_dim, need,
+                                    dtype, self._device)
+        elif need > self._cache.capacity:
+            self._cache.grow(need)
+            for st in self._state:
+                if st.routing is not None:
+                    grown = torch.full((need, *st.routing.shape[1:]), -1, dtype=torch.long)
+                    grown[:st.routing.shape[0]] = st.routing
+                    st.routing = grown
+        return self._cache
+
+    def release(self, session: Hashable) -> None:
+        """Forget a session's cached KV (its slot becomes free)."""
+        slot = self._sessions.pop(session, None)
+        if slot is not None:
+            self._state[slot] = _SlotState()
+
+    def reset(self) -> None:
+        """Forget every session (the model's weights changed, or a new batch of work)."""
+        self._sessions.clear()
+        self._state = [_SlotState() for _ in range(self.slots)]
+
+    def _take_slot(self, request: Request, busy: set[int]) -> tuple[int, int] | None:
+        """(slot, cached prompt tokens) for `request`, or None while every slot is busy."""
+        slot = self._sessions.get(request.session) if request.session is not None else None
+        if slot is not None and slot not in busy:
+            self._sessions.move_to_end(request.session)
+            st = self._state[slot]
+            n = 0
+            limit = min(len(st.tokens), len(request.prompt) - 1)  # ≥ 1 token to prefill
+            while n < limit and st.tokens[n] == request.prompt[n]:
+                n += 1
+            return slot, n
+        pinned = set(self._sessions.values())
+        free = [s for s in range(self.slots) if s not in busy and s not in pinned]
+        if not free:
+            idle = [(sess, s) for sess, s in self._sessions.items() if s not in busy]
+            if not idle:
+                return None
+            sess, s = idle[0]  # least recently used idle session
+            del self._sessions[sess]
+            self.stats.evictions += 1
+            free = [s]
+        slot = free[0]
+        self._state[slot] = _SlotState()
+        if request.session is not None and self.kv_reuse:
+            self._sessions.pop(request.session, None)
+            self._sessions[request.session] = slot
+            self._state[slot].session = request.session
+        return slot, 0
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward(self, rows: list[int], starts: list[int],
+                 inputs: list[list[int]]) -> torch.Tensor:
+        """One forward over the batch: rows' new tokens `inputs` at positions starts[i]… →
+        [B, V] FP32 logits at each row's last new token. Records routing per position."""
+        dev = self._device
+        b = len(rows)
+        width = max(len(x) for x in inputs)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        for i, x in enumerate(inputs):
+            ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
+        counts = torch.tensor([len(x) for x in inputs], dtype=torch.long)
+        start = torch.tensor(starts, dtype=torch.long)
+        tk = max(s + len(x) for s, x in zip(starts, inputs))
+        cache = self._ensure_cache(tk)
+        row_t = torch.tensor(rows, dtype=torch.long)
+        cache.plan(row_t.to(dev), start.to(dev), counts.to(dev), width, tk)
+        pos = start[:, None] + torch.arange(width)[None, :]  # [B, width]
+        keys = torch.arange(tk)
+        allowed = keys[None, None, :] <= pos[:, :, None]  # causal, own slot only
+        allowed = allowed[:, None]  # [B, 1, width, tk]
+        sink: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        handles = []
+        for i, router in enumerate(self.routers):
+            def hook(_m, _inp, output, i=i):
+                sink[i].append(output[-1].detach())
+            handles.append(router.register_forward_hook(hook))
+        try:
+            hidden = self.model.model(input_ids=ids.to(dev), attention_mask=allowed.to(dev),
+                                      position_ids=pos.to(dev), past_key_values=cache,
+                                      use_cache=True).last_hidden_state
+        finally:
+            for h in handles:
+                h.remove()
+        last = hidden[torch.arange(b, device=dev), (counts - 1).to(dev)]
+        logits = self.model.get_output_embeddings()(last).float()
+        if self.routers and all(len(s) == 1 for s in sink):
+            chosen = torch.stack([s[0].view(b, width, -1) for s in sink], dim=2).cpu()
+            for i, (slot, s0, x) in enumerate(zip(rows, starts, inputs)):
+                st = self._state[slot]
+                if st.routing is None:
+                    st.routing = torch.full((cache.capacity, len(self.routers),
+                                             chosen.shape[-1]), -1, dtype=torch.long)
+                st.routing[s0:s0 + len(x)] = chosen[i, :len(x)]
+        for slot, s0, x in zip(rows, starts, inputs):
+            st = self._state[slot]
+            del st.tokens[s0:]
+            st.tokens.extend(x)
+        return logits
+
+    # ------------------------------------------------------------------ serving
+
+    @torch.no_grad()
+    def run(self, requests: list[Request], *,
+            on_finish: Callable[[Completion], Request | None] | None = None,
+            progress: Callable[[int], None] | None = None) -> list[Completion]:
+        """Serve `requests`; returns one completion per request, follow-ups included, in order of
+        submission. `on_finish(completion)` may return the next request of the same
+        conversation (served as soon as a slot allows, ahead of requests not yet started);
+        returning None ends that conversation and releases its session. `progress(n)` is called
+        with the number of tokens each step generated."""
+        if not requests:
+            return []
+        order: list[Request] = list(requests)
+        waiting: deque[Request] = deque(requests)
+        done: dict[int, Completion] = {}
+        running: dict[int, _Seq] = {}
+        buffers: dict[int, dict[str, list]] = {}
+        t0 = time.perf_counter()
+        while waiting or running:
+            # the sequences already running decode this step, whatever joins beside them
+            live = sorted(running.values(), key=lambda s: s.slot)
+            admitted: list[_Seq] = []
+            busy = set(running)
+            while waiting:
+                r = waiting[0]
+                if len(r.prompt) >= self.max_len:
+                    raise ValueError(f"a prompt of {len(r.prompt)} tokens leaves no room in the "
+                                     f"engine's context of {self.max_len} positions")
+                got = self._take_slot(r, busy)
+                if got is None:
+                    break
+                waiting.popleft()
+                slot, cached = got
+                busy.add(slot)
+                seq = _Seq(request=r, slot=slot, cached=cached)
+                admitted.append(seq)
+                buffers[id(seq)] = {"raw": [], "proc": [], "cid": [], "clp": [], "sup": [],
+                                    "full": []}
+            if admitted:  # prefill what each new request's cache does not hold yet
+                inputs = [s.request.prompt[s.cached:] for s in admitted]
+                logits = self._forward([s.slot for s in admitted], [s.cached for s in admitted],
+                                       inputs)
+                self.stats.prefill_tokens += sum(len(x) for x in inputs)
+                self.stats.cached_tokens += sum(s.cached for s in admitted)
+                self.stats.requests += len(admitted)
+                self._sample(admitted, logits, buffers)
+            if live:  # one decode step: each running sequence feeds its last token
+                starts = [len(self._state[s.slot].tokens) for s in live]
+                logits = self._forward([s.slot for s in live], starts,
+                                       [[s.pending] for s in live])
+                self._sample(live, logits, buffers)
+            for s in admitted:
+                running[s.slot] = s
+            stepped = live + admitted
+            self.stats.steps += 1
+            self.stats.decode_tokens += len(stepped)
+            if progress is not None:
+                progress(len(stepped))
+            for s in stepped:
+                reason = self._finished(s)
+                if reason is None:
+                    continue
+                del running[s.slot]
+                comp = self._complete(s, reason, buffers.pop(id(s)))
+                done[id(s.request)] = comp
+                follow = on_finish(comp) if on_finish is not None else None
+                session = s.request.session
+                if follow is not None:
+                    order.append(follow)
+                    waiting.appendleft(follow)
+                elif on_finish is not None and session is not None:
+                    self.release(session)  # the conversation ended
+                if self._sessions.get(session) != s.slot:
+                    self._state[s.slot] = _SlotState()  # nothing to keep: the slot is free
+        self.stats.busy_s += time.perf_counter() - t0
+        return [done[id(r)] for r in order]
+
+    def _finished(self, s: _Seq) -> str | None:
+        r = s.request
+        last = s.tokens[-1]
+        if last in self.eos_ids:
+            return "eos"
+        if r.forced is not None:
+            if len(s.tokens) == len(r.forced):
+                return "forced"
+        elif len(s.tokens) >= r.params.max_new_tokens:
+            return "length"
+        if len(r.prompt) + len(s.tokens) >= self.max_len:
+            return "context"
+        return None
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor, buffers: dict) -> None:
+        """Draw (or force) each row's next token and record its log-probs and candidates."""
+        raw = torch.log_softmax(logits, dim=-1)
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(s.request.params, []).append(i)
+        if len(groups) == 1:
+            proc = process_logits(logits, next(iter(groups)))
+        else:
+            proc = torch.empty_like(raw)
+            for params, idx in groups.items():
+                sel = torch.tensor(idx)
+                proc[sel] = process_logits(logits[sel], params)
+        tokens = torch.empty(len(seqs), dtype=torch.long)
+        draw = [i for i, s in enumerate(seqs) if s.request.forced is None
+                and s.request.params.temperature > 0]
+        for i, s in enumerate(seqs):
+            if s.request.forced is not None:
+                tokens[i] = s.request.forced[len(s.tokens)]
+        greedy = [i for i, s in enumerate(seqs) if s.request.forced is None
+                  and s.request.params.temperature == 0]
+        if greedy:
+            g = torch.tensor(greedy)
+            tokens[g] = proc[g].argmax(-1).to(tokens.device)
+        if draw:
+            d = torch.tensor(draw)
+            cdf = proc[d].exp().cumsum(-1)
+            u = torch.tensor([stream_uniform(seqs[i].request.seed, len(seqs[i].tokens))
+                              for i in draw], dtype=torch.float64)
+            target = (u * cdf[:, -1].double()).float()[:, None]
+            pick = torch.searchsorted(cdf, target, right=True)[:, 0]
+            # a target at the very top of the CDF: the last token of the support
+            last = (proc[d] > float("-inf")).float().cumsum(-1).argmax(-1)
+            tokens[d] = torch.minimum(pick, last).cpu()
+        k_by = {}
+        for i, s in enumerate(seqs):
+            k_by.setdefault(s.request.params.candidates, []).append(i)
+        tok_dev = tokens.to(raw.device)
+        raw_lp = raw.gather(-1, tok_dev[:, None])[:, 0].cpu()
+        proc_lp = proc.gather(-1, tok_dev[:, None])[:, 0].cpu()
+        cands: dict[int, tuple] = {}
+        for k, idx in k_by.items():
+            sel = torch.tensor(idx)
+            lp, ids = ranked_topk(raw[sel], k)
+            sup = torch.isfinite(proc[sel].gather(-1, ids))
+            for j, i in enumerate(idx):
+                cands[i] = (ids[j].cpu(), lp[j].cpu(), sup[j].cpu())
+        tok_list = tokens.tolist()
+        for i, s in enumerate(seqs):
+            buf = buffers[id(s)]
+            buf["raw"].append(raw_lp[i])
+            buf["proc"].append(proc_lp[i])
+            cid, clp, sup = cands[i]
+            buf["cid"].append(cid)
+            buf["clp"].append(clp)
+            buf["sup"].append(sup)
+            if s.request.keep_full:
+                buf["full"].append(raw[i].cpu())
+            s.tokens.append(tok_list[i])
+            s.pending = tok_list[i]
+
+    def _complete(self, s: _Seq, reason: str, buf: dict) -> Completion:
+        r, n = s.request, len(s.tokens)
+        st = self._state[s.slot]
+        routed = None
+        if st.routing is not None:
+            total = len(r.prompt) + n
+            routed = torch.full((total, *st.routing.shape[1:]), -1, dtype=torch.long)
+            have = min(len(st.tokens), total)  # the last token was never fed back
+            routed[:have] = st.routing[:have]
+        return Completion(
+            request=r, tokens=list(s.tokens), logprobs=torch.stack(buf["raw"]),
+            logprobs_processed=torch.stack(buf["proc"]),
+            candidate_ids=torch.stack(buf["cid"]), candidate_logprobs=torch.stack(buf["clp"]),
+            candidate_in_support=torch.stack(buf["sup"]), finish_reason=reason,
+            cached_tokens=s.cached, routed_experts=routed,
+            full_logprobs=torch.stack(buf["full"]) if r.keep_full else None)
