@@ -427,6 +427,9 @@ _register_train()
 
 def main() -> None:
     """Console-script entry point."""
+    from .runtime import tune_allocator
+
+    tune_allocator()
     try:
         app()
     except ValueError as exc:  # bad input reported by the library, outside a command's own check

@@ -42,6 +42,10 @@ def train_command(
     sync: bool = typer.Option(False, "--sync", help="Synchronous: sample with version s, then "
                               "train step s."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Sampler worker threads (1)."),
+    sampler_processes: Optional[int] = typer.Option(
+        None, "--sampler-processes", help="Local backend: sampler worker processes of one "
+        "thread each, beside the trainer (default: one per core on a machine with 2 or more; "
+        "0: sample in this process)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (1)."),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every",
                                                    help="Checkpoint every N steps (10)."),
@@ -80,6 +84,7 @@ def train_command(
                             prompts_per_step=prompts, samples_per_prompt=samples,
                             max_staleness=max_staleness, staleness=staleness,
                             sync=sync or None, workers=workers,
+                            sampler_processes=_sampler_processes(sampler_processes, backend),
                             threads=threads, checkpoint_every=checkpoint_every,
                             eval_tasks=eval_tasks, tasks=tasks, seed=seed)
         check_out(out, resume, cfg)
@@ -306,3 +311,18 @@ def _with_grid_display(fn, *, quiet: bool):
                      completed=lambda st: st["steps"], describe=lambda st: (
                          f"runs {st['done']}/{st['runs']} done, {st['failed']} failed; "
                          f"running {', '.join(st['running']) or '–'}"))
+
+
+def _sampler_processes(given: int | None, backend: str) -> int:
+    """--sampler-processes, or its default: one per core where there are two or more (the
+    trainer then shares the cores with them), none with the Ray backend (its actors sample)."""
+    if backend != "local":
+        if given:
+            raise ValueError("--sampler-processes is an option of --backend local")
+        return 0
+    if given is not None:
+        return given
+    from mismatch.engines.workers import default_processes
+
+    n = default_processes()
+    return n if n >= 2 else 0

@@ -85,7 +85,7 @@ class StudyConfig:
         return ["--steps", str(self.steps), "--lr", repr(self.lr), "--tasks", self.tasks,
                 "--prompts", str(self.prompts), "--samples", str(self.samples),
                 "--checkpoint-every", str(self.checkpoint_every), "--eval-tasks", "0",
-                "--threads", "1"]
+                "--threads", "1", "--sampler-processes", "0"]  # `jobs` runs share the cores
 
 
 STUDY_PRESETS: dict[str, dict[str, Any]] = {

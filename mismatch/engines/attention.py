@@ -61,18 +61,16 @@ def quantize_kv(x: torch.Tensor, kv_scale: float = 1.0) -> torch.Tensor:
 
 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-             scale: float, family: KernelFamily, tile_k: int):
-    """Online softmax over key tiles. q: [B, H, Tq, D], k/v: [B, H, Tk, D], allowed:
-    [B, 1|H, Tq, Tk] bool → (m [B,H,Tq], l [B,H,Tq], o [B,H,Tq,D]) unnormalized, FP32."""
+             scale: float, family: KernelFamily, tile_k: int, v_dtype: torch.dtype):
+    """Online softmax over key tiles. q: [B, H, M, D] FP32, k/v: [B, H, Tk, D] FP32 (v holding
+    values of `v_dtype`), allowed: [B, 1|H, M, Tk] bool → (m [B,H,M], l [B,H,M], o [B,H,M,D])
+    unnormalized, FP32."""
     b, h, tq, d = q.shape
     m = torch.full((b, h, tq), -math.inf, dtype=torch.float32, device=q.device)
     l = torch.zeros((b, h, tq), dtype=torch.float32, device=q.device)
     o = torch.zeros((b, h, tq, v.shape[-1]), dtype=torch.float32, device=q.device)
-    qf = q.float()
     for k0 in range(0, k.shape[2], tile_k):
-        kt = k[:, :, k0:k0 + tile_k].float()
-        vt = v[:, :, k0:k0 + tile_k]
-        s = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # (B, H, Tq, tile)
+        s = torch.matmul(q, k[:, :, k0:k0 + tile_k].transpose(-1, -2)) * scale  # (B,H,M,tile)
         s = s.masked_fill(~allowed[..., k0:k0 + tile_k], -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -80,23 +78,40 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.T
         alpha = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf), m - m_safe))
         l = l * alpha + p.sum(-1)
         if family.p_in_input_dtype:
-            p = p.to(v.dtype)  # rounded before P·V, products then exact in FP32
-        o = o * alpha[..., None] + torch.matmul(p.float(), vt.float())
+            p = p.to(v_dtype).float()  # rounded before P·V, products then exact in FP32
+        o = o * alpha[..., None] + torch.matmul(p, v[:, :, k0:k0 + tile_k])
         m = m_new
     return m, l, o
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     allowed: torch.Tensor, scale: float, family: KernelFamily) -> torch.Tensor:
-    """q: [B, H, Tq, D]; k, v: [B, H, Tk, D] (GQA already expanded); allowed: bool mask
-    broadcastable to [B, H, Tq, Tk] → output [B, H, Tq, D] in q.dtype."""
-    decode = q.shape[2] == 1
+    """q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D] with H a multiple of Hkv (grouped-query
+    attention: query head i reads KV head i // (H / Hkv)); allowed: bool mask broadcastable to
+    [B, H, Tq, Tk] → output [B, H, Tq, D] in q.dtype.
+
+    The query heads sharing a KV head are computed as extra rows of one matrix product against
+    that head's keys (as GQA kernels do), so K and V are never copied per query head; K and V
+    are widened to FP32 once per call."""
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    if h % hkv:
+        raise ValueError(f"{h} query heads cannot share {hkv} KV heads")
+    g = h // hkv
+    decode = tq == 1
     splits = family.decode_splits if decode else 1
     tile = family.decode_tile_k if decode else family.tile_k
     tk = k.shape[2]
+    qf = q.float().reshape(b, hkv, g * tq, d)  # heads of one group as rows
+    kf, vf = k.float(), v.float()
+    if allowed.dim() == 4 and allowed.shape[1] == h and g > 1:
+        allowed = allowed.reshape(allowed.shape[0], hkv, g * tq, allowed.shape[-1])
+    elif g > 1:  # one mask for every head: repeat it for the group's rows
+        allowed = allowed.expand(allowed.shape[0], 1, tq, allowed.shape[-1])
+        allowed = allowed.repeat(1, 1, g, 1)
     per = max(tile, math.ceil(tk / splits / tile) * tile)
-    parts = [_partial(q, k[:, :, s0:s0 + per], v[:, :, s0:s0 + per],
-                      allowed[..., s0:s0 + per], scale, family, tile)
+    parts = [_partial(qf, kf[:, :, s0:s0 + per], vf[:, :, s0:s0 + per],
+                      allowed[..., s0:s0 + per], scale, family, tile, v.dtype)
              for s0 in range(0, tk, per)]
     if len(parts) == 1:
         m, l, o = parts[0]
@@ -110,4 +125,4 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             l = l + pl * w
             o = o + po * w[..., None]
     out = o / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    return out.to(q.dtype)
+    return out.reshape(b, h, tq, -1).to(q.dtype)

@@ -216,7 +216,6 @@ class _Seq:
 class _SlotState:
     tokens: list[int] = field(default_factory=list)  # ids whose KV the slot holds, in order
     session: Hashable | None = None
-    routing: torch.Tensor | None = None  # [capacity, L, k] experts per cached position
 
 
 class Engine:
@@ -243,6 +242,8 @@ class Engine:
         self.routers = find_routers(model) if with_routing else []
         self.stats = EngineStats()
         self._cache: SlotCache | None = None
+        self._routing: torch.Tensor | None = None  # [slots, capacity, L, k] experts per position
+        self._out: dict[str, torch.Tensor] | None = None  # per-slot output buffers
         self._state = [_SlotState() for _ in range(slots)]
         self._sessions: OrderedDict[Hashable, int] = OrderedDict()  # session → slot, LRU first
         self._device = next(model.parameters()).device
@@ -260,12 +261,18 @@ class Engine:
                                     dtype, self._device)
         elif need > self._cache.capacity:
             self._cache.grow(need)
-            for st in self._state:
-                if st.routing is not None:
-                    grown = torch.full((need, *st.routing.shape[1:]), -1, dtype=torch.long)
-                    grown[:st.routing.shape[0]] = st.routing
-                    st.routing = grown
         return self._cache
+
+    def _routing_table(self, capacity: int, k: int) -> torch.Tensor:
+        """[slots, capacity, L, k] experts chosen at each slot's positions (grown as needed)."""
+        table = self._routing
+        if table is None or table.shape[1] < capacity:
+            grown = torch.full((self.slots, capacity, len(self.routers), k), -1,
+                               dtype=torch.long)
+            if table is not None:
+                grown[:, :table.shape[1]] = table
+            self._routing = table = grown
+        return table
 
     def release(self, session: Hashable) -> None:
         """Forget a session's cached KV (its slot becomes free)."""
@@ -316,9 +323,12 @@ class Engine:
         dev = self._device
         b = len(rows)
         width = max(len(x) for x in inputs)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        for i, x in enumerate(inputs):
-            ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
+        if width == 1:  # a decode step: one token a row
+            ids = torch.tensor(inputs, dtype=torch.long)
+        else:
+            ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+            for i, x in enumerate(inputs):
+                ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
         counts = torch.tensor([len(x) for x in inputs], dtype=torch.long)
         start = torch.tensor(starts, dtype=torch.long)
         tk = max(s + len(x) for s, x in zip(starts, inputs))
@@ -346,12 +356,9 @@ class Engine:
         logits = self.model.get_output_embeddings()(last).float()
         if self.routers and all(len(s) == 1 for s in sink):
             chosen = torch.stack([s[0].view(b, width, -1) for s in sink], dim=2).cpu()
-            for i, (slot, s0, x) in enumerate(zip(rows, starts, inputs)):
-                st = self._state[slot]
-                if st.routing is None:
-                    st.routing = torch.full((cache.capacity, len(self.routers),
-                                             chosen.shape[-1]), -1, dtype=torch.long)
-                st.routing[s0:s0 + len(x)] = chosen[i, :len(x)]
+            _, b_idx, j_idx, slot_idx, pos_idx, _, _ = cache._plan
+            table = self._routing_table(cache.capacity, chosen.shape[-1])
+            table[slot_idx.cpu(), pos_idx.cpu()] = chosen[b_idx.cpu(), j_idx.cpu()]
         for slot, s0, x in zip(rows, starts, inputs):
             st = self._state[slot]
             del st.tokens[s0:]
@@ -375,7 +382,8 @@ class Engine:
         waiting: deque[Request] = deque(requests)
         done: dict[int, Completion] = {}
         running: dict[int, _Seq] = {}
-        buffers: dict[int, dict[str, list]] = {}
+        self._outputs(requests)
+        full: dict[int, list[torch.Tensor]] = {}  # keep_full rows: their raw log-softmax rows
         t0 = time.perf_counter()
         while waiting or running:
             # the sequences already running decode this step, whatever joins beside them
@@ -395,8 +403,8 @@ class Engine:
                 busy.add(slot)
                 seq = _Seq(request=r, slot=slot, cached=cached)
                 admitted.append(seq)
-                buffers[id(seq)] = {"raw": [], "proc": [], "cid": [], "clp": [], "sup": [],
-                                    "full": []}
+                if r.keep_full:
+                    full[id(seq)] = []
             if admitted:  # prefill what each new request's cache does not hold yet
                 inputs = [s.request.prompt[s.cached:] for s in admitted]
                 logits = self._forward([s.slot for s in admitted], [s.cached for s in admitted],
@@ -404,12 +412,12 @@ class Engine:
                 self.stats.prefill_tokens += sum(len(x) for x in inputs)
                 self.stats.cached_tokens += sum(s.cached for s in admitted)
                 self.stats.requests += len(admitted)
-                self._sample(admitted, logits, buffers)
+                self._sample(admitted, logits, full)
             if live:  # one decode step: each running sequence feeds its last token
                 starts = [len(self._state[s.slot].tokens) for s in live]
                 logits = self._forward([s.slot for s in live], starts,
                                        [[s.pending] for s in live])
-                self._sample(live, logits, buffers)
+                self._sample(live, logits, full)
             for s in admitted:
                 running[s.slot] = s
             stepped = live + admitted
@@ -422,11 +430,12 @@ class Engine:
                 if reason is None:
                     continue
                 del running[s.slot]
-                comp = self._complete(s, reason, buffers.pop(id(s)))
+                comp = self._complete(s, reason, full.pop(id(s), None))
                 done[id(s.request)] = comp
                 follow = on_finish(comp) if on_finish is not None else None
                 session = s.request.session
                 if follow is not None:
+                    self._outputs([follow])
                     order.append(follow)
                     waiting.appendleft(follow)
                 elif on_finish is not None and session is not None:
@@ -450,8 +459,32 @@ class Engine:
             return "context"
         return None
 
-    def _sample(self, seqs: list[_Seq], logits: torch.Tensor, buffers: dict) -> None:
-        """Draw (or force) each row's next token and record its log-probs and candidates."""
+    def _outputs(self, requests: list[Request]) -> None:
+        """Per-slot output buffers [slots, width(, K)] wide enough for `requests`."""
+        width = max(len(r.forced) if r.forced else r.params.max_new_tokens for r in requests)
+        k = max(r.params.candidates for r in requests)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        k = min(k, vocab)
+        have = self._out
+        if have is not None and have["raw"].shape[1] >= width and have["cid"].shape[2] >= k:
+            return
+        if have is not None:
+            width, k = max(width, have["raw"].shape[1]), max(k, have["cid"].shape[2])
+        shape = (self.slots, width)
+        out = {"raw": torch.zeros(shape), "proc": torch.zeros(shape),
+               "cid": torch.zeros(*shape, k, dtype=torch.long), "clp": torch.zeros(*shape, k),
+               "sup": torch.zeros(*shape, k, dtype=torch.bool)}
+        if have is not None:  # keep what running sequences wrote
+            for name, t in have.items():
+                if t.ndim == 2:
+                    out[name][:, :t.shape[1]] = t
+                else:
+                    out[name][:, :t.shape[1], :t.shape[2]] = t
+        self._out = out
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor, full: dict) -> None:
+        """Draw (or force) each row's next token; write its log-probs and candidates into the
+        slots' output buffers (one indexed write per buffer for the whole batch)."""
         raw = torch.log_softmax(logits, dim=-1)
         groups: dict[SamplingParams, list[int]] = {}
         for i, s in enumerate(seqs):
@@ -463,67 +496,68 @@ class Engine:
             for params, idx in groups.items():
                 sel = torch.tensor(idx)
                 proc[sel] = process_logits(logits[sel], params)
-        tokens = torch.empty(len(seqs), dtype=torch.long)
-        draw = [i for i, s in enumerate(seqs) if s.request.forced is None
-                and s.request.params.temperature > 0]
+        n = len(seqs)
+        tokens = torch.empty(n, dtype=torch.long)
+        draw, greedy = [], []
         for i, s in enumerate(seqs):
-            if s.request.forced is not None:
-                tokens[i] = s.request.forced[len(s.tokens)]
-        greedy = [i for i, s in enumerate(seqs) if s.request.forced is None
-                  and s.request.params.temperature == 0]
+            r = s.request
+            if r.forced is not None:
+                tokens[i] = r.forced[len(s.tokens)]
+            elif r.params.temperature == 0:
+                greedy.append(i)
+            else:
+                draw.append(i)
         if greedy:
             g = torch.tensor(greedy)
-            tokens[g] = proc[g].argmax(-1).to(tokens.device)
+            tokens[g] = proc[g].argmax(-1).cpu()
         if draw:
-            d = torch.tensor(draw)
-            cdf = proc[d].exp().cumsum(-1)
+            d = torch.tensor(draw) if len(draw) < n else None
+            p = proc if d is None else proc[d]
+            cdf = p.exp().cumsum(-1)
             u = torch.tensor([stream_uniform(seqs[i].request.seed, len(seqs[i].tokens))
                               for i in draw], dtype=torch.float64)
-            target = (u * cdf[:, -1].double()).float()[:, None]
+            target = (u * cdf[:, -1].double().cpu()).float()[:, None].to(cdf.device)
             pick = torch.searchsorted(cdf, target, right=True)[:, 0]
             # a target at the very top of the CDF: the last token of the support
-            last = (proc[d] > float("-inf")).float().cumsum(-1).argmax(-1)
-            tokens[d] = torch.minimum(pick, last).cpu()
-        k_by = {}
-        for i, s in enumerate(seqs):
-            k_by.setdefault(s.request.params.candidates, []).append(i)
+            last = (p > float("-inf")).float().cumsum(-1).argmax(-1)
+            picked = torch.minimum(pick, last).cpu()
+            if d is None:
+                tokens = picked
+            else:
+                tokens[d] = picked
+        out = self._out
+        k = out["cid"].shape[2]
         tok_dev = tokens.to(raw.device)
-        raw_lp = raw.gather(-1, tok_dev[:, None])[:, 0].cpu()
-        proc_lp = proc.gather(-1, tok_dev[:, None])[:, 0].cpu()
-        cands: dict[int, tuple] = {}
-        for k, idx in k_by.items():
-            sel = torch.tensor(idx)
-            lp, ids = ranked_topk(raw[sel], k)
-            sup = torch.isfinite(proc[sel].gather(-1, ids))
-            for j, i in enumerate(idx):
-                cands[i] = (ids[j].cpu(), lp[j].cpu(), sup[j].cpu())
-        tok_list = tokens.tolist()
-        for i, s in enumerate(seqs):
-            buf = buffers[id(s)]
-            buf["raw"].append(raw_lp[i])
-            buf["proc"].append(proc_lp[i])
-            cid, clp, sup = cands[i]
-            buf["cid"].append(cid)
-            buf["clp"].append(clp)
-            buf["sup"].append(sup)
-            if s.request.keep_full:
-                buf["full"].append(raw[i].cpu())
-            s.tokens.append(tok_list[i])
-            s.pending = tok_list[i]
+        cand_lp, cand_ids = ranked_topk(raw, k)
+        slots = torch.tensor([s.slot for s in seqs])
+        steps = torch.tensor([len(s.tokens) for s in seqs])
+        out["raw"][slots, steps] = raw.gather(-1, tok_dev[:, None])[:, 0].cpu()
+        out["proc"][slots, steps] = proc.gather(-1, tok_dev[:, None])[:, 0].cpu()
+        out["cid"][slots, steps] = cand_ids.cpu()
+        out["clp"][slots, steps] = cand_lp.cpu()
+        out["sup"][slots, steps] = torch.isfinite(proc.gather(-1, cand_ids)).cpu()
+        for i, (s, t) in enumerate(zip(seqs, tokens.tolist())):
+            if full and id(s) in full:
+                full[id(s)].append(raw[i].cpu())
+            s.tokens.append(t)
+            s.pending = t
 
-    def _complete(self, s: _Seq, reason: str, buf: dict) -> Completion:
+    def _complete(self, s: _Seq, reason: str, full: list[torch.Tensor] | None) -> Completion:
         r, n = s.request, len(s.tokens)
         st = self._state[s.slot]
         routed = None
-        if st.routing is not None:
+        table = self._routing
+        if table is not None:
             total = len(r.prompt) + n
-            routed = torch.full((total, *st.routing.shape[1:]), -1, dtype=torch.long)
+            routed = torch.full((total, *table.shape[2:]), -1, dtype=torch.long)
             have = min(len(st.tokens), total)  # the last token was never fed back
-            routed[:have] = st.routing[:have]
+            routed[:have] = table[s.slot, :have]
+        out, k = self._out, min(r.params.candidates, self._out["cid"].shape[2])
         return Completion(
-            request=r, tokens=list(s.tokens), logprobs=torch.stack(buf["raw"]),
-            logprobs_processed=torch.stack(buf["proc"]),
-            candidate_ids=torch.stack(buf["cid"]), candidate_logprobs=torch.stack(buf["clp"]),
-            candidate_in_support=torch.stack(buf["sup"]), finish_reason=reason,
+            request=r, tokens=list(s.tokens), logprobs=out["raw"][s.slot, :n].clone(),
+            logprobs_processed=out["proc"][s.slot, :n].clone(),
+            candidate_ids=out["cid"][s.slot, :n, :k].clone(),
+            candidate_logprobs=out["clp"][s.slot, :n, :k].clone(),
+            candidate_in_support=out["sup"][s.slot, :n, :k].clone(), finish_reason=reason,
             cached_tokens=s.cached, routed_experts=routed,
-            full_logprobs=torch.stack(buf["full"]) if r.keep_full else None)
+            full_logprobs=torch.stack(full) if full else None)

@@ -318,10 +318,6 @@ def _emulated_attention(module, query, key, value, attention_mask, dropout=0.0, 
     family, kv_fp8 = _ACTIVE[-1] if _ACTIVE else (None, False)
     if kv_fp8:
         key, value = quantize_kv(key), quantize_kv(value)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
     tq, tk = query.shape[2], key.shape[2]
     if attention_mask is None:
         allowed = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
@@ -332,8 +328,12 @@ def _emulated_attention(module, query, key, value, attention_mask, dropout=0.0, 
         allowed = attention_mask == 0
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if family is None:
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
-    else:
+    else:  # grouped-query attention without copying K/V per query head
         out = tiled_attention(query, key, value, allowed, scale, family)
     return out.transpose(1, 2).contiguous(), None
 

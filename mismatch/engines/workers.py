@@ -54,6 +54,9 @@ class WorkerError(RuntimeError):
 def _main(conn, index: int, threads: int) -> None:
     import torch
 
+    from ..runtime import tune_allocator
+
+    tune_allocator()
     torch.set_num_threads(threads)
     try:
         _STATE["setup"] = conn.recv()

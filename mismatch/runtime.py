@@ -1,0 +1,40 @@
+"""Process-level settings that make many small tensor operations cheap on a CPU.
+
+glibc's malloc serves a request above its mmap threshold (128 KiB at first, raised dynamically up
+to 32 MiB) with a fresh `mmap` and returns it to the system on free. An eager PyTorch forward of
+a small model allocates and frees thousands of such temporaries per step, and every fresh mapping
+is paid again in page faults and zeroing: measured here, widening a [128, 2, 181, 32] BF16 tensor
+to FP32 took 0.86–3.2 ms with a new allocation and 0.21 ms into memory already mapped.
+`tune_allocator` raises the mmap and trim thresholds so freed memory stays in the heap and is
+reused (the price: the process keeps its peak heap instead of returning it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+__all__ = ["tune_allocator"]
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_DONE = False
+
+
+def tune_allocator() -> bool:
+    """Keep freed large blocks in the heap (glibc on Linux; a no-op elsewhere, or when
+    MISMATCH_DEFAULT_MALLOC=1). Returns whether the settings were applied."""
+    global _DONE
+    if _DONE:
+        return True
+    if not sys.platform.startswith("linux") or os.environ.get("MISMATCH_DEFAULT_MALLOC") == "1":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl)
+        return False
+    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and \
+        bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    _DONE = ok
+    return ok

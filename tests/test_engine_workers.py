@@ -1,0 +1,116 @@
+"""Sampler worker processes: calls, shared weights, a worker killed mid-call, training through them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mismatch.engines.workers import WorkerError, WorkerPool, worker_state
+
+
+def _whoami(x: int) -> tuple[int, int, int, str]:
+    return x * 2, os.getpid(), torch.get_num_threads(), worker_state()["setup"]
+
+
+def _sum_shared(weights: dict[str, torch.Tensor]) -> tuple[float, bool]:
+    w = weights["w"]
+    return float(w.sum()), w.is_shared()
+
+
+def _fail() -> None:
+    raise ValueError("bad input in the worker")
+
+
+def _slow_once(marker: str) -> str:
+    """Sleeps (to be killed) the first time; returns at once when called again."""
+    path = Path(marker)
+    if path.exists():
+        return f"again in {os.getpid()}"
+    path.write_text(str(os.getpid()))
+    time.sleep(120)
+    return "not killed"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(2, "payload", max_restarts=1)
+    yield p
+    p.close()
+
+
+def test_calls_run_in_one_thread_processes_and_in_parallel(pool):
+    out = pool.map(_whoami, [(i,) for i in range(6)])
+    assert [o[0] for o in out] == [0, 2, 4, 6, 8, 10]
+    assert {o[1] for o in out} <= set(pool.pids()) and os.getpid() not in {o[1] for o in out}
+    assert all(o[2] == 1 and o[3] == "payload" for o in out)
+
+
+def test_weights_travel_through_shared_memory(pool):
+    w = torch.arange(1000, dtype=torch.float32)
+    total, shared = pool.call(_sum_shared, {"w": w})
+    assert total == float(w.sum()) and shared
+    assert w.is_shared()  # moved to shared memory once, mapped by the worker
+
+
+def test_an_error_in_the_worker_is_raised_in_the_caller(pool):
+    with pytest.raises(RuntimeError, match="ValueError in sampler worker sampler-.: bad input"):
+        pool.call(_fail)
+    assert pool.call(_whoami, 1)[0] == 2  # the worker lives on
+
+
+def test_a_worker_killed_mid_call_is_restarted_and_the_call_sent_again(tmp_path):
+    pool = WorkerPool(1, "payload", max_restarts=1)
+    try:
+        marker = tmp_path / "pid"
+        killer = threading.Thread(target=_kill_when_written, args=(marker,))
+        killer.start()
+        t0 = time.monotonic()
+        out = pool.call(_slow_once, str(marker))
+        killer.join()
+        assert out.startswith("again in ") and int(out.split()[-1]) != int(marker.read_text())
+        assert pool.restarts == 1 and time.monotonic() - t0 < 100
+        # the restart budget is spent: the next death is an error naming the worker, not a hang
+        marker.unlink()
+        killer = threading.Thread(target=_kill_when_written, args=(marker,))
+        killer.start()
+        with pytest.raises(WorkerError, match=r"sampler worker sampler-0 \(pid \d+\) died with "
+                                              r"exit code -9 during _slow_once"):
+            pool.call(_slow_once, str(marker))
+        killer.join()
+    finally:
+        pool.close()
+
+
+def _kill_when_written(marker: Path) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if marker.exists() and marker.read_text():
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_training_through_sampler_processes_matches_in_process_sampling(tmp_path):
+    """Two sync steps on the mixed fleet: the same episodes, losses and metrics whether the
+    samplers run in this process (one thread) or in two worker processes."""
+    from train.trainer import TrainConfig, read_metrics, run
+
+    records = {}
+    for n in (0, 2):
+        cfg = TrainConfig(fleet="mixed", correction="sc+mis", steps=2, prompts_per_step=4,
+                          samples_per_prompt=4, sync=True, max_turns=2, max_new_tokens=32,
+                          candidates=16, sampler_processes=n, checkpoint_every=5, threads=1)
+        run(cfg, tmp_path / f"p{n}", log_alerts=False)
+        records[n] = read_metrics(tmp_path / f"p{n}" / "metrics.jsonl")
+    keys = ("loss", "kl", "kl_k1", "entropy", "sampled_tokens", "reward", "grad_norm",
+            "group_kl", "end_reasons")
+    assert [{k: r[k] for k in keys} for r in records[0]] == \
+        [{k: r[k] for k in keys} for r in records[2]]
+    assert all(r["sampler_restarts"] == 0 for r in records[2])
