@@ -198,17 +198,18 @@ def accumulate_matmul(a: torch.Tensor, b: torch.Tensor | KSlices,
                             f"{acc.name!r} has mma_k={acc.mma_k}")
     s, mk, n = b.values.shape
     m, k = a.shape
-    total = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:
-        return total
+        return torch.zeros(m, n, dtype=torch.float32, device=a.device)
     a64 = a.to(torch.float64)
     if k % mk:  # the zero-padded slice of b meets zero-padded activations
         a64 = torch.nn.functional.pad(a64, (0, s * mk - k))
     partial = torch.zeros(m, n, dtype=torch.float64, device=a.device)  # the limited register
     bits = partial.view(torch.int64)
     keep = None if acc.acc_mbits is None else ~((1 << (52 - acc.acc_mbits)) - 1)
-    fp32 = torch.empty_like(total) if keep is None else None
+    fp32 = torch.empty(m, n, dtype=torch.float32, device=a.device) if keep is None else None
     promote = None if acc.promote_every is None else acc.promote_every // mk
+    # the FP32 total, needed only where partial sums are promoted into it
+    total = None if promote is None else torch.zeros(m, n, dtype=torch.float32, device=a.device)
     widen = b.values.dtype != torch.float64
     chunk = max(1, _WIDEN_BYTES // (8 * mk * n)) if widen else s
     buf = _buffer(min(chunk, s) * mk * n, a.device) if widen else None
@@ -231,6 +232,8 @@ def accumulate_matmul(a: torch.Tensor, b: torch.Tensor | KSlices,
             if promote is not None and (i + 1) % promote == 0 and i + 1 < s:
                 _promote(total, partial)
                 partial.zero_()
+    if total is None:  # the reference's zero total + partial.float(): the register rounded
+        return partial.add_(0.0).to(torch.float32)  # once to FP32, a −0 made +0 by the add
     _promote(total, partial)
     return total
 

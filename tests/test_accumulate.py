@@ -176,6 +176,17 @@ def test_fast_path_fp32_register_rounds_each_slice():
     assert float(ref) != float(a.double() @ b.double())  # the register rounded something
 
 
+@pytest.mark.parametrize("acc", list(ACCUMULATIONS))
+def test_fast_path_signed_zeros(acc):
+    """Products of −0 (zero activations, negative weights) and sums that cancel give +0, as the
+    reference's zero-initialized registers do (bit patterns, so −0 would count as a difference)."""
+    a = torch.tensor([[0.0] * 40, [1.0, -1.0] * 20, [-0.0] * 40])
+    b = -torch.ones(40, 3)
+    ref = accumulate_matmul_reference(a, b, acc)
+    assert _bits_equal(accumulate_matmul(a, b, acc), ref)
+    assert _bits_equal(ref, torch.zeros(3, 3))
+
+
 def test_prepared_operand_checks():
     b = torch.ones(40, 3)
     prepared = KSlices.of(b, 32)
