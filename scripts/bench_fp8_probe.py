@@ -16,7 +16,9 @@ SmolLM2 layer (fused q/k/v, o, fused gate/up, down) at decode (M = 8 rows) and p
 runs) as the yardstick; minimum of --gemm-repeats timings; both outputs compared bit for bit.
 
     python scripts/bench_fp8_probe.py [--model DIR] [--n-prompts 8] [--max-new-tokens 32]
-        [--threads 1] [--baseline-tree DIR] [--report reports/benchmarks.md]
+        [--threads 1] [--repeats 1] [--baseline-tree DIR] [--report reports/benchmarks.md]
+
+A baseline tree: `git archive <commit> | tar -x -C DIR`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,16 @@ ROWS = {"decode": 8, "prefill": 256}
 
 
 def run_probe(tree: Path, gpu: str, dtype: str, model: str | None, args) -> dict:
-    """One probe in a fresh process on the code of `tree`: wall and CPU seconds, its summary."""
+    """--repeats probes, each in a fresh process on the code of `tree`: the least wall and CPU
+    seconds, and the summary (which must be the same every time)."""
+    runs = [_run_probe_once(tree, gpu, dtype, model, args) for _ in range(args.repeats)]
+    if any(r["summary"] != runs[0]["summary"] for r in runs):
+        raise SystemExit(f"probe {gpu} {dtype} on {tree}: repeated runs disagree")
+    return {"wall": min(r["wall"] for r in runs), "cpu": min(r["cpu"] for r in runs),
+            "summary": runs[0]["summary"]}
+
+
+def _run_probe_once(tree: Path, gpu: str, dtype: str, model: str | None, args) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "mismatch.cli", "probe", "--gpu", gpu, "--dtype", dtype,
                "--n-prompts", str(args.n_prompts), "--max-new-tokens", str(args.max_new_tokens),
@@ -143,6 +154,8 @@ def main() -> None:
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each probe; the least wall and CPU time is reported")
     parser.add_argument("--baseline-tree", default=None,
                         help="an exported older commit to time (and compare results) as well")
     parser.add_argument("--skip-embedded", action="store_true")
@@ -162,7 +175,8 @@ def main() -> None:
     started = datetime.date.today().isoformat()
     header = (f"# torch {torch.__version__}, {args.threads} thread(s), "
               f"{os.cpu_count()} CPUs; probe: --n-prompts {args.n_prompts} "
-              f"--max-new-tokens {args.max_new_tokens} --threads {args.threads}")
+              f"--max-new-tokens {args.max_new_tokens} --threads {args.threads}, least of "
+              f"{args.repeats} run(s); GEMMs: least of {args.gemm_repeats}")
     print(header, flush=True)
     gemm = gemm_table(args)
     probe = [] if args.skip_probe else probe_table(args)
