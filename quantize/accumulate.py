@@ -22,8 +22,10 @@ Vectorized over M and N; the loop runs over K / mma_k slices, never over element
 Exactness. An E4M3 value is a multiple of 2^-9 (its smallest subnormal) below 448, so a product
 of two is a multiple of 2^-18 below 2^18, and a sum of 32 of them a multiple of 2^-18 below
 2^23: at most 41 significant bits, inside float64's 53. Every partial sum in every order is
-exact, so any float64 GEMM (blocked or not, FMA or not) gives each slice sum exactly, and the
-accumulator's float64 additions (a 14-bit value plus such a sum) are exact as well.
+exact, so any float64 GEMM (blocked or not, FMA or not) gives each slice sum exactly. The
+register is a multiple of 2^-18 as well (truncation and FP32 rounding keep it on that grid)
+and below K · 448², so the register plus a slice's products, added in any order, is exact
+too while K < 2^17.
 
 Two implementations, bit-identical (tests/test_accumulate.py holds them so):
 `accumulate_matmul_reference` is the model written plainly (one float64 einsum into [S, M, N],

@@ -2,14 +2,15 @@
 
 `accumulate_gemm_torch` is quantize.accumulate.accumulate_matmul itself (the CPU path, held bit
 for bit to the model's plain `accumulate_matmul_reference`); its right operand may be a
-prepared `KSlices` (a weight cut into MMA slices once). `accumulate_gemm_triton` runs the same model tiled over [BLOCK_M, BLOCK_N] outputs:
-per K-slice of `mma_k` elements one float64 tl.dot (exact for inputs on an FP8 grid: 32 products
-of 4-bit significands fit float64's 53 bits, as the reference's float64 einsum relies on), the
-slice added into the limited accumulator (float64, then its mantissa truncated to `acc_mbits`
-bits by clearing low bits, or rounded to FP32 for the FP32 model), promoted into an FP32 total
-every `promote_every` elements. The kernel agrees with the reference bit for bit whenever each
-slice sum is exact in float64 (FP8 and, in practice, BF16 inputs of moderate range); otherwise
-the two float64 sums may round differently in the last place.
+prepared `KSlices` (a weight cut into MMA slices once). `accumulate_gemm_triton` runs the same
+model tiled over [BLOCK_M, BLOCK_N] outputs: per K-slice of `mma_k` elements one float64 tl.dot
+(exact for inputs on an FP8 grid: 32 products of 4-bit significands fit float64's 53 bits, as
+the reference's float64 einsum relies on), the slice added into the limited accumulator
+(float64, then its mantissa truncated to `acc_mbits` bits by clearing low bits, or rounded to
+FP32 for the FP32 model), promoted into an FP32 total every `promote_every` elements. The
+kernel agrees with the reference bit for bit whenever each slice sum is exact in float64 (FP8
+and, in practice, BF16 inputs of moderate range); otherwise the two float64 sums may round
+differently in the last place.
 """
 
 from __future__ import annotations
