@@ -18,17 +18,40 @@ The model, per output element:
 `acc_mbits=None` keeps an FP32 accumulator (the BF16/FP16 GEMM model: products exact, sums in
 FP32), which differs from a float64 matmul only by FP32 rounding of the slice partial sums.
 Vectorized over M and N; the loop runs over K / mma_k slices, never over elements.
+
+Exactness. An E4M3 value is a multiple of 2^-9 (its smallest subnormal) below 448, so a product
+of two is a multiple of 2^-18 below 2^18, and a sum of 32 of them a multiple of 2^-18 below
+2^23: at most 41 significant bits, inside float64's 53. Every partial sum in every order is
+exact, so any float64 GEMM (blocked or not, FMA or not) gives each slice sum exactly. The
+register is a multiple of 2^-18 as well (truncation and FP32 rounding keep it on that grid)
+and below K · 448², so the register plus a slice's products, added in any order, is exact
+too while K < 2^17.
+
+Two implementations, bit-identical (tests/test_accumulate.py holds them so):
+`accumulate_matmul_reference` is the model written plainly (one float64 einsum into [S, M, N],
+then a loop that allocates new [M, N] tensors at each step); `accumulate_matmul` is the fast
+path: one float64 register [M, N] updated in place, per slice one `addmm_` (the register plus
+the slice's [M, mma_k] @ [mma_k, N]: exact, so its order does not matter) and one integer
+`bitwise_and_` (the truncation), with no [S, M, N] tensor and no allocation per slice. Its right
+operand is prepared once (`KSlices`: slices zero-padded, contiguous, stored in the narrowest
+exact dtype, bfloat16 for E4M3 values) and widened to float64 a few slices at a time into a
+cache-sized buffer: a decode-sized GEMM is bound by reading the weight, and bfloat16 reads a
+quarter of float64's bytes. Inputs off the FP8 grid (FP16, BF16) agree bit for bit as long as
+the register plus each slice sum is exact in float64; beyond that, the two can round
+differently in float64's last place.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from .errors import QuantizeError
 
-__all__ = ["Accumulation", "ACCUMULATIONS", "truncate_mantissa", "accumulate_matmul"]
+__all__ = ["Accumulation", "ACCUMULATIONS", "KSlices", "resolve", "truncate_mantissa",
+           "accumulate_matmul", "accumulate_matmul_reference"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,16 +103,159 @@ def truncate_mantissa(x: torch.Tensor, mbits: int) -> torch.Tensor:
     return (x.contiguous().view(torch.int64) & keep).view(torch.float64)
 
 
-def accumulate_matmul(a: torch.Tensor, b: torch.Tensor, acc: Accumulation | str) -> torch.Tensor:
-    """a: [M, K], b: [K, N] (values already in the low-precision grid, any float dtype)
-    → [M, N] float32, accumulated as `acc` describes."""
+def resolve(acc: Accumulation | str) -> Accumulation:
+    """A preset name or an Accumulation → the Accumulation."""
     if isinstance(acc, str):
         if acc not in ACCUMULATIONS:
             raise QuantizeError(f"unknown accumulation {acc!r}; valid: {', '.join(ACCUMULATIONS)}")
-        acc = ACCUMULATIONS[acc]
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        return ACCUMULATIONS[acc]
+    return acc
+
+
+def _check_shapes(a: torch.Tensor, b_shape: tuple[int, ...]) -> None:
+    if a.ndim != 2 or len(b_shape) != 2 or a.shape[1] != b_shape[0]:
         raise QuantizeError(f"accumulate_matmul needs [M, K] @ [K, N], got {tuple(a.shape)} "
-                            f"@ {tuple(b.shape)}")
+                            f"@ {tuple(b_shape)}")
+
+
+@dataclass(frozen=True)
+class KSlices:
+    """A right-hand GEMM operand b [K, N] cut into MMA slices along K, ready for
+    `accumulate_matmul`: `values` [S, mma_k, N], contiguous, K zero-padded to S · mma_k (zero
+    products add exactly nothing), in the narrowest of bfloat16 / float32 / float64 that holds
+    every value exactly (E4M3 values fit bfloat16: 4 significant bits, exponents 2^-9..2^8).
+    Build it once per weight with `KSlices.of`; the GEMM widens it to float64 slice by slice."""
+
+    values: torch.Tensor
+    """[S, mma_k, N] bfloat16, float32 or float64."""
+    k: int
+    """K before padding."""
+
+    @staticmethod
+    def of(b: torch.Tensor, mma_k: int) -> "KSlices":
+        """b: [K, N] on a low-precision grid, any float dtype, any strides."""
+        if b.ndim != 2:
+            raise QuantizeError(f"KSlices needs a [K, N] matrix, got shape {tuple(b.shape)}")
+        k, n = b.shape
+        s = -(-k // mma_k)
+        for dtype in (torch.bfloat16, torch.float32, torch.float64):
+            if _holds(dtype, b.dtype) or torch.equal(b.to(dtype).double(), b.double()):
+                break
+        values = torch.zeros(s * mma_k, n, dtype=dtype, device=b.device)
+        values[:k] = b
+        return KSlices(values.view(s, mma_k, n), k)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The shape of the matrix it holds, [K, N]."""
+        return self.k, self.values.shape[2]
+
+    def matrix(self) -> torch.Tensor:
+        """The [K, N] matrix (a view, in the stored dtype)."""
+        return self.values.view(-1, self.values.shape[2])[:self.k]
+
+
+def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Whether every value of float dtype `narrow` is a value of `wide` (no data needed)."""
+    if wide == narrow or wide == torch.float64:
+        return True
+    if wide == torch.float32:
+        return narrow in (torch.bfloat16, torch.float16) or narrow.itemsize == 1
+    # bfloat16 (8 significant bits, FP32's exponents) holds every 8-bit float format
+    return wide == torch.bfloat16 and narrow.itemsize == 1
+
+
+# Slices of the right operand are widened to float64 a few at a time into a reused buffer of
+# at most this many bytes (about an L2 cache): the weight streams from memory in its narrow
+# dtype, and the float64 copy the GEMM reads stays in cache.
+_WIDEN_BYTES = 1 << 20
+_buffers = threading.local()  # one reused widening buffer per thread and device
+
+
+def _buffer(numel: int, device: torch.device) -> torch.Tensor:
+    per_device = getattr(_buffers, "by_device", None)
+    if per_device is None:
+        per_device = _buffers.by_device = {}
+    buf = per_device.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = per_device[device] = torch.empty(numel, dtype=torch.float64, device=device)
+    return buf[:numel]
+
+
+def accumulate_matmul(a: torch.Tensor, b: torch.Tensor | KSlices,
+                      acc: Accumulation | str) -> torch.Tensor:
+    """a: [M, K], b: [K, N] or its KSlices (values already on the low-precision grid, any float
+    dtype) → [M, N] float32, accumulated as `acc` describes.
+
+    Bit-identical to `accumulate_matmul_reference` whenever `partial + slice sum` is exact in
+    float64 (always on the FP8 grid below K = 2^17, see the module docstring): the accumulator
+    register [M, N] float64 takes each slice with one in-place `addmm_` (an exact sum needs no
+    particular order), then is truncated in place on its int64 view."""
+    acc = resolve(acc)
+    _check_shapes(a, tuple(b.shape))
+    if not isinstance(b, KSlices):
+        b = KSlices.of(b, acc.mma_k)
+    elif b.values.shape[1] != acc.mma_k:
+        raise QuantizeError(f"KSlices cut for mma_k={b.values.shape[1]}, the accumulation "
+                            f"{acc.name!r} has mma_k={acc.mma_k}")
+    s, mk, n = b.values.shape
+    m, k = a.shape
+    if m == 0 or n == 0:
+        return torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    a64 = a.to(torch.float64)
+    if k % mk:  # the zero-padded slice of b meets zero-padded activations
+        a64 = torch.nn.functional.pad(a64, (0, s * mk - k))
+    partial = torch.zeros(m, n, dtype=torch.float64, device=a.device)  # the limited register
+    bits = partial.view(torch.int64)
+    keep = None if acc.acc_mbits is None else ~((1 << (52 - acc.acc_mbits)) - 1)
+    fp32 = torch.empty(m, n, dtype=torch.float32, device=a.device) if keep is None else None
+    promote = None if acc.promote_every is None else acc.promote_every // mk
+    # the FP32 total, needed only where partial sums are promoted into it
+    total = None if promote is None else torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    widen = b.values.dtype != torch.float64
+    chunk = max(1, _WIDEN_BYTES // (8 * mk * n)) if widen else s
+    buf = _buffer(min(chunk, s) * mk * n, a.device) if widen else None
+    for s0 in range(0, s, chunk):
+        s1 = min(s, s0 + chunk)
+        if widen:
+            wide = buf[:(s1 - s0) * mk * n].view(s1 - s0, mk, n)
+            wide.copy_(b.values[s0:s1])
+        else:
+            wide = b.values[s0:s1]
+        for i in range(s0, s1):
+            partial.addmm_(a64[:, i * mk:(i + 1) * mk], wide[i - s0])
+            if keep is not None:
+                bits.bitwise_and_(keep)  # truncate_mantissa, in place
+            else:  # an FP32 register: round the float64 sum once to FP32
+                fp32.copy_(partial)
+                partial.copy_(fp32)
+            # only the last slice can be short, and promoting after it adds what the final
+            # add does: promoting after every `promote` whole slices counts as the reference
+            if promote is not None and (i + 1) % promote == 0 and i + 1 < s:
+                _promote(total, partial)
+                partial.zero_()
+    if total is None:  # the reference's zero total + partial.float(): the register rounded
+        return partial.add_(0.0).to(torch.float32)  # once to FP32, a −0 made +0 by the add
+    _promote(total, partial)
+    return total
+
+
+def _promote(total: torch.Tensor, partial: torch.Tensor) -> None:
+    """total (float32) += partial (float64), rounded once to FP32 — the reference's
+    `total + partial.float()`: partial.float() is exact (at most 24 significant bits, in FP32's
+    range), and rounding the exact sum of two FP32 values first to float64 and then to FP32 is
+    rounding it once (double rounding is innocuous for + when 53 >= 2·24 + 2: S. A. Figueroa,
+    "When is double rounding innocuous?", ACM SIGNUM Newsletter 30(3), 1995). A zero total
+    also turns a −0 register into +0, as the reference's zeros do."""
+    total.add_(partial)
+
+
+def accumulate_matmul_reference(a: torch.Tensor, b: torch.Tensor,
+                                acc: Accumulation | str) -> torch.Tensor:
+    """The model written plainly (and slowly): a [M, K] @ b [K, N] → [M, N] float32, as
+    `accumulate_matmul` computes it bit for bit."""
+    acc = resolve(acc)
+    _check_shapes(a, tuple(b.shape))
     a64, b64 = a.double(), b.double()
     m, k = a64.shape
     n = b64.shape[1]

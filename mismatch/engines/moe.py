@@ -8,8 +8,8 @@ once is what makes the emulated W4A4 sampler affordable (two quantization calls 
 instead of two per expert hit). numerics.py installs `experts_forward` on every fused-experts
 module of the Qwen3-MoE layout (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], `act_fn`).
 Its control flow is transformers' eager experts loop; only the GEMMs and the quantization are
-the emulator's. With codes-level GEMM accumulation (FP8 on Hopper) each expert quantizes its own
-rows instead — the same values, at per-expert cost.
+the emulator's. With codes-level GEMM accumulation (FP8 on Hopper) the stage's quantized values
+are the E4M3 elements themselves (numerics.py scales each GEMM's output instead).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from quantize import QTensor, decode, encode
-from quantize.formats import decode_codes, get_format
+from quantize.accumulate import KSlices, resolve
 from quantize.loader import requantize_fp8
 
 from ..kernels import accumulate_gemm, fake_quant
@@ -100,7 +100,11 @@ class _Linear:
 
     weight: torch.Tensor  # [N, K] float32, decoded
     act_key: str
-    weight_elems: torch.Tensor | None = None  # [N, K] FP8 element values (accumulation model)
+    # FP8 W8A8 under an accumulation model: the E4M3 element values of the whole fusion group
+    # (q/k/v, gate/up: one input, one GEMM, as serving engines fuse them) as [K, ΣN] MMA slices,
+    # shared by the group's entries; this weight's output columns are `cols` of the group's
+    group_slices: KSlices | None = None
+    cols: tuple[int, int] = (0, 0)
     weight_scale: torch.Tensor | None = None
     weight_fp8: torch.Tensor | None = None  # [N, K] float8_e4m3fn storage (measured FP8 GEMMs)
 
@@ -112,10 +116,16 @@ class _Emulator:
                  act_scales: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None):
         self.table, self.spec, self.act_scales, self.amax = table, spec, act_scales, amax
         self._last: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        # the last fused FP8 GEMM per activation group: (source, its _version, group slices,
+        # unscaled output [M, ΣN]); q, k and v (gate and up) read their columns of one GEMM
+        self._last_gemm: dict[str, tuple[torch.Tensor, int, KSlices, torch.Tensor]] = {}
+        self._acc = resolve(spec.accumulation)
 
     def quantized_input(self, x2: torch.Tensor, entry: _Linear,
                         source: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, K] activations → [N, K] FP32 values the GEMM sees (fake-quantized if W*A*).
+        """[N, K] activations → [N, K] FP32 values the GEMM sees (fake-quantized if W*A*); for
+        an FP8 GEMM under an accumulation model, the E4M3 element values (float8_e4m3fn, no
+        scale: the GEMM scales its output).
 
         q, k and v read the same tensor with one scale: like a fused QKV GEMM, the input is
         quantized once (the last input per activation group is remembered by identity)."""
@@ -125,6 +135,8 @@ class _Emulator:
                 prev = self.amax.get(entry.act_key)
                 self.amax[entry.act_key] = a if prev is None else torch.maximum(prev, a)
             return x2.float()
+        if entry.group_slices is not None:
+            return self._elements(x2, entry)
         codec = self.spec.activation_codec
         if codec is None or x2.shape[0] == 0:
             return x2.float()
@@ -142,16 +154,40 @@ class _Emulator:
         self._last[entry.act_key] = (source, source._version, xq)
         return xq
 
+    def _elements(self, x2: torch.Tensor, entry: _Linear) -> torch.Tensor:
+        """[N, K] activations → [N, K] float8_e4m3fn: the codes of the static per-tensor FP8
+        quantization (encode's own), viewed as E4M3 (exact, no decoding pass)."""
+        q = encode(x2, self.spec.activation_codec,
+                   global_scale=self.act_scales[entry.act_key], validate=False)
+        return q.codes.view(torch.float8_e4m3fn)
+
+    def _fp8_gemm(self, x2: torch.Tensor, entry: _Linear, elems: torch.Tensor | None,
+                  source: torch.Tensor | None) -> torch.Tensor:
+        """The accumulation-model GEMM of `entry`'s fusion group on the input's E4M3 elements
+        → [N, ΣN] FP32, unscaled. With a `source`, the output is remembered for the group's
+        other members (each output element is its own dot product: the columns of the fused
+        GEMM are those of the separate GEMMs, bit for bit)."""
+        last = self._last_gemm.get(entry.act_key)
+        if source is not None and last is not None and last[0] is source and \
+                last[1] == source._version and last[2] is entry.group_slices:
+            return last[3]
+        if elems is None:
+            elems = self._elements(x2, entry)
+        y = accumulate_gemm(elems, entry.group_slices, self._acc)
+        if source is not None:
+            self._last_gemm[entry.act_key] = (source, source._version, entry.group_slices, y)
+        return y
+
     def gemm(self, x2: torch.Tensor, entry: _Linear, xq: torch.Tensor | None = None,
              source: torch.Tensor | None = None) -> torch.Tensor:
         """[N, K] activations → [N, N_out] FP32: exact products, FP32 sums (or the spec's
-        accumulation model for FP8 W8A8). `xq`: the already-quantized input, if any."""
-        if entry.weight_elems is not None and self.amax is None and x2.shape[0] > 0:
-            q = encode(x2, self.spec.activation_codec,
-                       global_scale=self.act_scales[entry.act_key], validate=False)
-            elems = decode_codes(q.codes, get_format("e4m3"))
-            y = accumulate_gemm(elems, entry.weight_elems.t(), self.spec.accumulation)
-            return y * (q.scales * entry.weight_scale)
+        accumulation model for FP8 W8A8). `xq`: the already-quantized input, if any (as
+        `quantized_input` returns it)."""
+        if entry.group_slices is not None and self.amax is None:
+            lo, hi = entry.cols
+            y = self._fp8_gemm(x2, entry, xq, source)[:, lo:hi]
+            a_scale = self.act_scales[entry.act_key].float()
+            return y * (a_scale * entry.weight_scale)
         if xq is None:
             xq = self.quantized_input(x2, entry, source)
         splits = self.spec.split_k
@@ -165,9 +201,10 @@ class _Emulator:
         return out
 
     def batched(self) -> bool:
-        """Whether activations can be quantized once per MoE stage (not with codes-level
-        accumulation, which needs each expert's own codes)."""
-        return not any(e.weight_elems is not None for e in self.table.values())
+        """Whether activations can be quantized once per MoE stage: always here (static
+        per-tensor scales and per-row groups quantize each row alone, so the rows of the whole
+        stage give each expert the values of its own rows, E4M3 elements included)."""
+        return True
 
     def linear_forward(self, module: torch.nn.Linear, entry: _Linear):
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -296,10 +333,17 @@ def _encode_table(model: torch.nn.Module, spec: NumericsSpec,
             for _, w in members:
                 table[w.data_ptr()] = _Linear(weight=w.detach().float(), act_key=act_key)
             continue
-        for (_, w), q in zip(members, _serve_weights(group, members, spec.weight_codec)):
+        served = _serve_weights(group, members, spec.weight_codec)
+        if fp8_acc and spec.weight_codec == "fp8":
+            # one [K, ΣN] operand per fusion group, E4M3 values exactly in bfloat16
+            elems = torch.cat([q.codes.view(torch.float8_e4m3fn).to(torch.bfloat16)
+                               for q in served])
+            slices = KSlices.of(elems.t(), resolve(spec.accumulation).mma_k)
+            bounds = torch.tensor([0] + [q.codes.shape[0] for q in served]).cumsum(0).tolist()
+        for i, ((_, w), q) in enumerate(zip(members, served)):
             entry = _Linear(weight=decode(q)[:w.shape[0], :w.shape[1]], act_key=act_key)
             if fp8_acc and spec.weight_codec == "fp8":
-                entry.weight_elems = decode_codes(q.codes, get_format("e4m3"))
+                entry.group_slices, entry.cols = slices, (bounds[i], bounds[i + 1])
                 entry.weight_scale = q.scales
             if native_fp8 and spec.weight_codec == "fp8":
                 entry.weight_fp8 = q.codes.view(torch.float8_e4m3fn)
