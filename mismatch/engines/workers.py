@@ -12,7 +12,8 @@ and runs calls of module-level functions in them:
   goes through shared memory, so a weight version published once is mapped by every worker
   without a copy on the wire (a worker copies it into its model once per version). Results come
   back as one plain pickle (tensors as bytes): a worker never holds the trainer's memory.
-- **Faults.** A call waits on its worker's pipe and on the process itself. A worker that dies
+- **Faults.** A worker dies with the process that started it (Linux: its parent-death signal),
+  so a killed trainer leaves no sampler behind. A call waits on its worker's pipe and on the process itself. A worker that dies
   mid-call (killed, out of memory, a crash in native code) is restarted and the call sent again
   — the call must be deterministic in its arguments, as seeded rollouts are — up to
   `max_restarts` times in the pool's life; then the call raises `WorkerError` naming the worker,
@@ -51,11 +52,26 @@ class WorkerError(RuntimeError):
     """A worker process died, or could not start."""
 
 
-def _main(conn, index: int, threads: int) -> None:
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the thread that started it ends (the parent is killed)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _main(conn, index: int, threads: int, tied: bool) -> None:
     import torch
 
     from ..runtime import tune_allocator
 
+    if tied:
+        _die_with_parent()
     tune_allocator()
     torch.set_num_threads(threads)
     try:
@@ -88,8 +104,11 @@ class _Worker:
     def __init__(self, ctx, index: int, threads: int, setup: Any, name: str) -> None:
         self.index, self.name = index, f"{name}-{index}"
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_main, args=(child, index, threads), name=self.name,
-                                   daemon=True)
+        # tied to the parent's life only when started from its main thread (the death signal
+        # follows the starting thread, which must outlive the pool)
+        tied = threading.current_thread() is threading.main_thread()
+        self.process = ctx.Process(target=_main, args=(child, index, threads, tied),
+                                   name=self.name, daemon=True)
         self.process.start()
         child.close()
         self.conn.send(setup)

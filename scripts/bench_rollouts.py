@@ -1,0 +1,235 @@
+"""The rollout engine and the training step, against the code before it and against the floors,
+side by side in one run (these machines are noisy: only ratios measured together mean much).
+
+1. Step time of `mismatch train --sync --prompts 16 --samples 8 --steps 3 --tasks arith` on the
+   `homogeneous` and `mixed` presets: this tree (its defaults: sampler processes, one per core)
+   against a baseline tree (an older commit checked out with `git worktree add`), each run in its
+   own process; the figure is the median step_seconds of the steps after the first. Goal: ≥ 4×
+   faster on homogeneous, ≥ 5× on mixed.
+2. The floor of that step, measured here: a bare batched decode of the step's sampled tokens
+   (the model's own forward over a static slot cache, batch = the step's episodes, greedy,
+   nothing recorded) plus a bare forward + backward + AdamW over the step's token batch (BF16
+   compute, FP32 master). Goal: step ≤ 1.5× the floor.
+3. Engine tokens/s against the bare decode loop of the same model on the same prompts (static
+   cache, no emulation, no bookkeeping): the engine unemulated (goal ≥ 50% of the loop), and
+   emulated B200 BF16 against emulated B200 NVFP4 (goal: NVFP4 ≤ 1.3× BF16's time).
+4. Asynchronous vs `--sync` steps per minute, both with sampler processes (goal ≥ 1.5×).
+
+    python scripts/bench_rollouts.py --baseline-tree DIR [--steps 3] [--report FILE]
+
+Every figure is printed in one table and, with --report, appended to that file with the command
+and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ["--prompts", "16", "--samples", "8", "--tasks", "arith", "--eval-tasks",
+         "0", "--correction", "grpo", "--threads", "1", "-q"]
+
+
+def train_steps(tree: Path, preset: str, steps: int, extra: list[str]) -> dict:
+    """One `mismatch train` run on the code of `tree`: its per-step records and wall time, and
+    medians of the steps after the first."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "mismatch.cli", "train", "--preset", preset, "--steps",
+               str(steps), "--out", out, *TRAIN, *extra]
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if done.returncode != 0:
+            raise SystemExit(f"train on {tree} failed: {done.stderr.strip().splitlines()[-1:]}")
+        recs = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines()]
+    later = recs[1:] or recs
+    return {"recs": recs, "wall": wall,
+            "step": statistics.median(r["step_seconds"] for r in later),
+            "train": statistics.median(r["train_seconds"] for r in later),
+            "tokens": statistics.median(r["sampled_tokens"] for r in later)}
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    from mismatch.engines.episodes import render_chat
+    from mismatch.zoo.tasks import generate_tasks
+
+    return [render_chat(tok, t.prompt_messages(), generation=True)
+            for t in generate_tasks("heldout", n)]
+
+
+@torch.no_grad()
+def bare_decode(model, prompts: list[list[int]], steps: int) -> float:
+    """Seconds of a bare batched decode loop: prefill (right-padded), then `steps` greedy
+    tokens for every row over a static slot cache; nothing recorded."""
+    from mismatch.engines.engine import SlotCache
+
+    cfg = model.config
+    b = len(prompts)
+    width = max(len(p) for p in prompts)
+    cache = SlotCache(cfg.num_hidden_layers, b, cfg.num_key_value_heads, cfg.head_dim,
+                      width + steps, next(model.parameters()).dtype, torch.device("cpu"))
+    rows = torch.arange(b)
+    lens = torch.tensor([len(p) for p in prompts])
+    ids = torch.zeros(b, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    t0 = time.perf_counter()
+    pos = torch.arange(width)[None].expand(b, width)
+    cache.plan(rows, torch.zeros(b, dtype=torch.long), lens, width, width)
+    mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]
+    h = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True).last_hidden_state
+    token = model.lm_head(h[rows, lens - 1]).argmax(-1)
+    for j in range(steps):
+        at = lens + j
+        tk = int(at.max()) + 1
+        cache.plan(rows, at, torch.ones(b, dtype=torch.long), 1, tk)
+        mask = (torch.arange(tk)[None, :] <= at[:, None])[:, None, None]
+        h = model.model(input_ids=token[:, None], attention_mask=mask, position_ids=at[:, None],
+                        past_key_values=cache, use_cache=True).last_hidden_state
+        token = model.lm_head(h[:, -1]).argmax(-1)
+    return time.perf_counter() - t0
+
+
+def engine_run(model, prompts, steps: int, spec=None) -> tuple[float, int]:
+    """Seconds and generated tokens of the engine on `prompts` (`steps` tokens each at most,
+    temperature 1, 128 candidates), under `spec`'s numerics when given."""
+    import contextlib
+
+    from mismatch.engines.engine import Engine, Request
+    from mismatch.engines.numerics import apply_numerics, calibrate
+    from mismatch.engines.sampler import SamplingParams
+
+    ctx = contextlib.nullcontext()
+    if spec is not None:
+        scales = None
+        if spec.activation_codec:
+            scales = calibrate(model, spec, [(torch.tensor([p]), torch.ones(1, len(p),
+                                                                           dtype=torch.long))
+                                             for p in prompts[:8]])
+        ctx = apply_numerics(model, spec, scales)
+    params = SamplingParams(max_new_tokens=steps, candidates=128)
+    with ctx:
+        engine = Engine(model, pad_id=0, eos_ids=set(), slots=len(prompts))
+        t0 = time.perf_counter()
+        out = engine.run([Request(prompt=p, params=params, seed=i)
+                          for i, p in enumerate(prompts)])
+        dt = time.perf_counter() - t0
+    return dt, sum(len(c.tokens) for c in out)
+
+
+def bare_train(model, batch: int, length: int, repeats: int = 2) -> float:
+    """Seconds of forward + backward + AdamW over [batch, length] tokens: BF16 compute model,
+    FP32 master weights (the trainer's layout), least of `repeats`."""
+    import copy
+
+    compute = copy.deepcopy(model).to(torch.bfloat16).train()
+    master = [p.detach().float().clone().requires_grad_(True) for p in compute.parameters()]
+    opt = torch.optim.AdamW(master, lr=1e-5)
+    ids = torch.randint(5, model.config.vocab_size - 1, (batch, length))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = compute(input_ids=ids).logits.float()
+        lp = torch.log_softmax(out[:, :-1], -1).gather(-1, ids[:, 1:, None])
+        (-lp.mean()).backward()
+        for m, p in zip(master, compute.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(master, compute.parameters()):
+                p.copy_(m)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline-tree", type=Path, required=True,
+                    help="a checkout of the code to compare with (git worktree add DIR REV)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--report", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from mismatch.runtime import tune_allocator
+
+    tune_allocator()
+    lines = [f"# torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
+             f"{os.getloadavg()[0]:.1f}; train: {' '.join(TRAIN)} --steps {args.steps}"]
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    say(f"{'step (median of steps 2..)':34} {'baseline s':>11} {'this tree s':>12} "
+        f"{'speed-up':>9} {'floor s':>8} {'step/floor':>11}")
+    from mismatch.zoo import load_model, load_tokenizer
+
+    model, tok = load_model(dtype="bfloat16"), load_tokenizer()
+    step_runs = {}
+    for preset in ("homogeneous", "mixed"):
+        old = train_steps(args.baseline_tree, preset, args.steps, ["--sync"])
+        new = train_steps(ROOT, preset, args.steps, ["--sync"])
+        step_runs[preset] = new
+        episodes = 16 * 8
+        per_row = max(1, round(new["tokens"] / episodes))
+        decode_s = bare_decode(model, _prompts(tok, episodes), per_row)
+        length = max(len(p) for p in _prompts(tok, 8)) + int(new["tokens"] / episodes) + 48
+        floor = decode_s + bare_train(model, episodes, length)
+        say(f"{'sync 16x8 ' + preset:34} {old['step']:11.2f} {new['step']:12.2f} "
+            f"{old['step'] / new['step']:8.2f}x {floor:8.2f} {new['step'] / floor:10.2f}x")
+        say(f"{'  of which training (train_seconds)':34} {old['train']:11.2f} "
+            f"{new['train']:12.2f} {old['train'] / new['train']:8.2f}x")
+
+    prompts = _prompts(tok, 128)
+    loop = bare_decode(model, prompts, 64)
+    loop_tokens = 128 * 64
+    say("")
+    say(f"{'decode, 128 prompts x 64 tokens':34} {'seconds':>11} {'tokens/s':>12} "
+        f"{'vs loop':>9}")
+    say(f"{'bare loop (no emulation)':34} {loop:11.2f} {loop_tokens / loop:12.0f} {1.0:8.2f}x")
+    from mismatch.profiles import resolve
+
+    results = {}
+    for label, spec in (("engine, no emulation", None), ("engine, emulated b200 bf16",
+                                                         resolve("b200", "bf16")),
+                        ("engine, emulated b200 nvfp4", resolve("b200", "nvfp4"))):
+        dt, n = engine_run(model, prompts, 64, spec)
+        results[label] = dt
+        say(f"{label:34} {dt:11.2f} {n / dt:12.0f} {(n / dt) / (loop_tokens / loop):8.2f}x")
+    say(f"{'nvfp4 / bf16 (emulated) time':34} "
+        f"{results['engine, emulated b200 nvfp4'] / results['engine, emulated b200 bf16']:11.2f}x")
+
+    say("")
+    sync = step_runs["homogeneous"]
+    asyn = train_steps(ROOT, "homogeneous", args.steps + 1, [])
+    say(f"{'homogeneous 16x8, processes':34} {'steps/min':>11}")
+    sync_rate = 60.0 / sync["step"]
+    asyn_rate = 60.0 / asyn["step"]
+    say(f"{'--sync':34} {sync_rate:11.2f}")
+    say(f"{'asynchronous':34} {asyn_rate:11.2f}   async/sync {asyn_rate / sync_rate:.2f}x")
+    if args.report:
+        stamp = datetime.date.today().isoformat()
+        cmd = "python scripts/bench_rollouts.py " + " ".join(sys.argv[1:])
+        block = (f"\n## Rollout engine and training step ({stamp})\n\nCommand: `{cmd}`\n\n```\n"
+                 + "\n".join(lines) + "\n```\n")
+        with open(args.report, "a") as fh:
+            fh.write(block)
+
+
+if __name__ == "__main__":
+    main()
