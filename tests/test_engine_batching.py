@@ -213,3 +213,17 @@ def test_a_prompt_beyond_the_context_is_a_clear_error(model, tok):
         Engine(model, pad_id=0, eos_ids={1}, slots=0)
     with pytest.raises(ValueError, match="non-empty prompt"):
         Request(prompt=[], params=SamplingParams())
+
+
+def test_prefill_is_bounded_and_every_request_still_served(model, tok, prompts):
+    """A prefill budget of two prompts a forward: the waiting requests join over the next steps
+    and every completion is the one an unbounded engine gives (own streams, own slots)."""
+    params = SamplingParams(max_new_tokens=8, candidates=2, temperature=0)
+    reqs = [Request(prompt=p, params=params, seed=i) for i, p in enumerate(prompts[:6])]
+    eos, pad = {tok.eos_token_id}, tok.pad_token_id
+    small = Engine(model, pad_id=pad, eos_ids=eos, slots=6,
+                   prefill_tokens=2 * max(len(p) for p in prompts[:6]))
+    out = small.run(reqs)
+    ref = Engine(model, pad_id=pad, eos_ids=eos, slots=6).run(reqs)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    assert small.stats.steps > max(len(c.tokens) for c in ref)  # staggered joins took steps

@@ -221,6 +221,10 @@ class _SlotState:
 class Engine:
     """Continuous batching of `Request`s on `model` (see the module docstring).
 
+    `slots`: sequences held at once; `max_len`: the longest context (default the model's
+    max_position_embeddings); `prefill_tokens`: the padded size of one prefill forward at most
+    (more waiting requests join at the next steps); `with_routing`: record MoE routing.
+
     `run` serves a list of requests (and, through `on_finish`, the follow-up requests of
     multi-turn conversations as each turn ends) and returns their completions in order of
     submission. The model is used as it is configured when `run` is called: enter
@@ -228,10 +232,11 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int, eos_ids: Iterable[int],
                  slots: int = 64, max_len: int | None = None, kv_reuse: bool = True,
-                 with_routing: bool = True) -> None:
+                 with_routing: bool = True, prefill_tokens: int = 32768) -> None:
         if slots < 1:
             raise ValueError(f"an engine needs at least one slot, got {slots}")
         self.model, self.pad_id, self.slots, self.kv_reuse = model, pad_id, slots, kv_reuse
+        self.prefill_tokens = prefill_tokens  # padded prefill batch size at most (≥ 1 request)
         self.eos_ids = sorted(set(eos_ids))
         config = model.config
         limit = getattr(config, "max_position_embeddings", None)
@@ -285,17 +290,24 @@ class Engine:
         self._sessions.clear()
         self._state = [_SlotState() for _ in range(self.slots)]
 
+    def _cached(self, request: Request, busy: set[int]) -> int:
+        """Prompt tokens of `request` its session's idle slot holds (the longest common
+        prefix, leaving at least one token to prefill); 0 without one."""
+        slot = self._sessions.get(request.session) if request.session is not None else None
+        if slot is None or slot in busy:
+            return 0
+        held, prompt = self._state[slot].tokens, request.prompt
+        n, limit = 0, min(len(held), len(prompt) - 1)
+        while n < limit and held[n] == prompt[n]:
+            n += 1
+        return n
+
     def _take_slot(self, request: Request, busy: set[int]) -> tuple[int, int] | None:
         """(slot, cached prompt tokens) for `request`, or None while every slot is busy."""
         slot = self._sessions.get(request.session) if request.session is not None else None
         if slot is not None and slot not in busy:
             self._sessions.move_to_end(request.session)
-            st = self._state[slot]
-            n = 0
-            limit = min(len(st.tokens), len(request.prompt) - 1)  # ≥ 1 token to prefill
-            while n < limit and st.tokens[n] == request.prompt[n]:
-                n += 1
-            return slot, n
+            return slot, self._cached(request, busy)
         pinned = set(self._sessions.values())
         free = [s for s in range(self.slots) if s not in busy and s not in pinned]
         if not free:
@@ -395,6 +407,11 @@ class Engine:
                 if len(r.prompt) >= self.max_len:
                     raise ValueError(f"a prompt of {len(r.prompt)} tokens leaves no room in the "
                                      f"engine's context of {self.max_len} positions")
+                if admitted:  # bound one prefill forward's padded size
+                    width = max(len(r.prompt) - self._cached(r, busy),
+                                *(len(a.request.prompt) - a.cached for a in admitted))
+                    if (len(admitted) + 1) * width > self.prefill_tokens:
+                        break
                 got = self._take_slot(r, busy)
                 if got is None:
                     break
