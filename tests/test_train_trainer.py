@@ -5,6 +5,7 @@ and --stop-on ends the run with a checkpoint."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -299,3 +300,67 @@ def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok,
     for name, w in trainer.published().items():
         if name in master:
             assert torch.equal(w, master[name].detach().to(torch.bfloat16))
+
+
+def _old_batch_loss(model, b, arm, attention):
+    """The trainer's loss as it was first written: the whole [B, T-1, V] FP32 log-softmax
+    gathered at the tokens and candidates, autograd through it (the reference)."""
+    from train.trainer import arm_loss
+
+    logits = model(input_ids=b.ids, attention_mask=attention, use_cache=False).logits.float()
+    lsm = torch.log_softmax(logits[:, :-1], dim=-1)
+    logp = torch.cat([torch.zeros(b.ids.shape[0], 1),
+                      lsm.gather(-1, b.ids[:, 1:, None])[..., 0]], dim=1)
+    cand = torch.cat([torch.zeros(b.cand_ids.shape[0], 1, b.cand_ids.shape[-1]),
+                      lsm.gather(-1, b.cand_ids[:, 1:])], dim=1)
+    loss, m, _ = arm_loss(logp, cand, b, arm)
+    return loss, m, -(lsm.exp() * lsm).sum(-1).detach(), logp, cand
+
+
+@pytest.fixture(scope="module")
+def padded_batch(model, tok):
+    from train.fleet import fleet
+    from train.rollout import run_episodes
+    from train.trainer import task_of
+
+    group = fleet("mixed")[5]
+    eps = run_episodes(model, tok, [task_of(2, 0, ("arith",))] * 4, group, version=0,
+                       max_turns=2, max_new_tokens=40, top_k_candidates=16, seed=5,
+                       top_p=0.97, top_k=64)
+    for ep, r in zip(eps, (1.0, 0.0, 1.0, 0.0)):
+        ep.reward = r
+    b = build_batch([Unit(index=0, group=group.name, version=0, episodes=eps, seconds=0.0)],
+                    step=0, pad_id=tok.pad_token_id)
+    assert not b.attention.bool().all()  # rows of different lengths: padding to skip
+    return b
+
+
+@pytest.mark.parametrize("arm", ["grpo", "tis", "sc+mis", "sc+mis+topp"])
+def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
+    """The chunked scoring (train.trainer.token_scores) gives the loss, the log-probs, the
+    entropy and every gradient of the full-vocabulary log-softmax bit for bit; the unmasked
+    forward of a right-padded batch gives the masked forward's loss bit for bit and its
+    gradients to BF16 rounding (the attention backward's summation order)."""
+    from train.trainer import batch_loss
+
+    b = padded_batch
+    net = copy.deepcopy(model).train()
+
+    def run_grads(fn):
+        net.zero_grad(set_to_none=True)
+        res = fn()
+        res[0].backward()
+        return res, {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    (loss, m, ent, logp, cand, mask), grads = run_grads(lambda: batch_loss(net, b, arm))
+    (ref_loss, ref_m, ref_ent, ref_logp, ref_cand), ref = run_grads(
+        lambda: _old_batch_loss(net, b, arm, None))
+    assert torch.equal(loss, ref_loss) and torch.equal(ent, ref_ent)
+    assert torch.equal(logp, ref_logp) and torch.equal(cand, ref_cand)
+    assert all(torch.equal(grads[k], ref[k]) for k in ref)
+    assert all(torch.equal(m[k], ref_m[k]) for k in ref_m)
+    (masked_loss, *_), masked = run_grads(lambda: _old_batch_loss(net, b, arm, b.attention))
+    assert torch.equal(loss, masked_loss)
+    for k in masked:
+        diff = (grads[k].float() - masked[k].float()).norm()
+        assert diff <= 0.02 * masked[k].float().norm() + 1e-6, k

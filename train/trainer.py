@@ -299,21 +299,92 @@ def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
 # the trainer
 
 
+class _TokenScores(torch.autograd.Function):
+    """logits [B, T, V] → the FP32 log-softmax of positions 0…T-2 (each predicts the next token)
+    gathered at the next tokens [B, T-1] and at the candidates [B, T-1, K], and the entropy of
+    each position [B, T-1] (not differentiable), a few sequences at a time: the [B, T-1, V] FP32
+    log-softmax never exists whole, and each chunk's passes stay in cache. Every number equals
+    torch's own `log_softmax(logits.float()[:, :-1], -1).gather(…)` bit for bit, forward and
+    backward: each chunk runs the same row-wise kernels (log-softmax, gather's scatter-add
+    backward, the log-softmax backward, the cast back to the logits' dtype) on the same rows;
+    the backward recomputes the chunk's log-softmax instead of keeping it."""
+
+    @staticmethod
+    def forward(ctx, logits, nxt, cand_ids, rows):
+        b, t, _ = logits.shape
+        logp = torch.empty(b, t - 1, dtype=torch.float32)
+        cand = torch.empty(b, t - 1, cand_ids.shape[-1], dtype=torch.float32)
+        ent = torch.empty(b, t - 1, dtype=torch.float32)
+        for r0 in range(0, b, rows):
+            r1 = min(b, r0 + rows)
+            lsm = torch.log_softmax(logits[r0:r1, :-1].float(), dim=-1)
+            logp[r0:r1] = lsm.gather(-1, nxt[r0:r1, :, None])[..., 0]
+            cand[r0:r1] = lsm.gather(-1, cand_ids[r0:r1])
+            ent[r0:r1] = -(lsm.exp() * lsm).sum(-1)
+        ctx.save_for_backward(logits, nxt, cand_ids)
+        ctx.rows = rows
+        ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)
+        return logp, cand, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_cand, _):
+        logits, nxt, cand_ids = ctx.saved_tensors
+        grad = torch.zeros_like(logits)  # the last position predicts nothing: zero
+        if g_logp is None and g_cand is None:
+            return grad, None, None, None
+        for r0 in range(0, logits.shape[0], ctx.rows):
+            r1 = min(logits.shape[0], r0 + ctx.rows)
+            lsm = torch.log_softmax(logits[r0:r1, :-1].float(), dim=-1)
+            g = None
+            if g_logp is not None:
+                g = torch.zeros_like(lsm).scatter_add_(-1, nxt[r0:r1, :, None],
+                                                       g_logp[r0:r1, :, None])
+            if g_cand is not None:
+                gc = torch.zeros_like(lsm).scatter_add_(-1, cand_ids[r0:r1], g_cand[r0:r1])
+                g = gc if g is None else g + gc
+            grad[r0:r1, :-1] = torch._log_softmax_backward_data(g, lsm, -1, torch.float32)
+        return grad, None, None, None
+
+
+_SCORE_CHUNK = 1 << 18
+"""Logit elements (rows × V) per chunk of `token_scores`: ~1 MiB of FP32, cache-sized."""
+
+
+def right_padded(attention: torch.Tensor) -> bool:
+    """Whether every row of a [B, T] attention mask is ones then zeros (padding on the right)."""
+    a = attention.bool()
+    return bool((a[:, 1:] <= a[:, :-1]).all())
+
+
+def token_scores(model: torch.nn.Module, batch: Batch):
+    """The trainer's teacher-forced scores of `batch` under `model` (FP32 log-softmax of its
+    logits): log π of each token [B, T] and of each candidate [B, T, K] (0 at position 0, which
+    nothing predicts), and the entropy of the distributions predicting positions 1…T-1 [B, T-1]
+    (detached).
+
+    A right-padded batch (what build_batch makes) runs without its attention mask: under causal
+    attention a real token never sees the padding after it, so the logits of every real position
+    are the same bit for bit, and attention takes its causal path (half the score blocks, no
+    [B, 1, T, T] mask) instead of the masked one."""
+    attention = None if right_padded(batch.attention) else batch.attention
+    logits = model(input_ids=batch.ids, attention_mask=attention, use_cache=False).logits
+    b, t, v = logits.shape
+    rows = max(1, _SCORE_CHUNK // max(1, (t - 1) * v))
+    logp, cand, ent = _TokenScores.apply(logits, batch.ids[:, 1:], batch.cand_ids[:, 1:], rows)
+    logp = torch.cat([logp.new_zeros(b, 1), logp], dim=1)
+    cand = torch.cat([cand.new_zeros(b, 1, cand.shape[-1]), cand], dim=1)
+    return logp, cand, ent
+
+
 def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
-    """The arm's loss of `batch` under `model` (teacher-forced, FP32 log-softmax of its logits):
-    (loss — a mean over the batch's valid tokens —, the loss's metrics, log-softmax [B, T-1, V],
-    log π of each token [B, T], log π of each candidate [B, T, K], the sampled-token mask)."""
-    logits = model(input_ids=batch.ids, attention_mask=batch.attention,
-                   use_cache=False).logits.float()
-    lsm = torch.log_softmax(logits[:, :-1], dim=-1)                      # predicts t+1
-    nxt = batch.ids[:, 1:]
-    logp = torch.zeros(batch.ids.shape, dtype=torch.float32)
-    logp = torch.cat([logp[:, :1], lsm.gather(-1, nxt[..., None])[..., 0]], dim=1)
-    cand = torch.cat([torch.zeros_like(batch.cand_ids[:, :1], dtype=torch.float32)
-                      .expand(-1, -1, batch.cand_ids.shape[-1]),
-                      lsm.gather(-1, batch.cand_ids[:, 1:])], dim=1)
+    """The arm's loss of `batch` under `model` (teacher-forced, FP32 log-softmax of its logits;
+    token_scores): (loss — a mean over the batch's valid tokens —, the loss's metrics, the
+    entropy [B, T-1] of each predicting position, log π of each token [B, T], log π of each
+    candidate [B, T, K], the sampled-token mask)."""
+    logp, cand, ent = token_scores(model, batch)
     loss, m, mask = arm_loss(logp, cand, batch, correction)
-    return loss, m, lsm, logp, cand, mask
+    return loss, m, ent, logp, cand, mask
 
 
 def arm_loss(logp: torch.Tensor, cand: torch.Tensor, batch: Batch, correction: str):
@@ -411,7 +482,7 @@ class Trainer:
         """One corrected GRPO step; returns its metrics (floats)."""
         cfg = self.cfg
         self.compute.zero_grad(set_to_none=True)
-        loss, m, lsm, logp, cand, mask = batch_loss(self.compute, batch, cfg.correction)
+        loss, m, ent, logp, cand, mask = batch_loss(self.compute, batch, cfg.correction)
         loss.backward()
         with torch.no_grad():
             for p, mp in zip(self.compute.parameters(), self.master.parameters()):
@@ -421,7 +492,7 @@ class Trainer:
                 self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self._sync_compute()
-            out = step_metrics(m, entropy(lsm), logp.detach(), cand.detach(), batch, mask)
+            out = step_metrics(m, ent, logp.detach(), cand.detach(), batch, mask)
         out.update(loss=float(loss.detach()), grad_norm=float(grad_norm),
                    skipped_nonfinite=not bool(torch.isfinite(grad_norm)))
         return out
