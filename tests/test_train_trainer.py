@@ -337,8 +337,9 @@ def padded_batch(model, tok):
 
 @pytest.mark.parametrize("arm", ["grpo", "tis", "sc+mis", "sc+mis+topp"])
 def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
-    """The chunked scoring (train.trainer.token_scores) gives the loss, the log-probs, the
-    entropy and every gradient of the full-vocabulary log-softmax bit for bit; the unmasked
+    """The chunked scoring of the sampled positions (train.trainer.token_scores) gives the loss,
+    the log-probs, the entropy and every gradient of the full-vocabulary log-softmax of every
+    position bit for bit; the unmasked
     forward of a right-padded batch gives the masked forward's loss bit for bit and its
     gradients to BF16 rounding (the attention backward's summation order)."""
     from train.trainer import batch_loss
@@ -355,8 +356,12 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
     (loss, m, ent, logp, cand, mask), grads = run_grads(lambda: batch_loss(net, b, arm))
     (ref_loss, ref_m, ref_ent, ref_logp, ref_cand), ref = run_grads(
         lambda: _old_batch_loss(net, b, arm, None))
-    assert torch.equal(loss, ref_loss) and torch.equal(ent, ref_ent)
-    assert torch.equal(logp, ref_logp) and torch.equal(cand, ref_cand)
+    at = b.mask.clone()
+    at[:, 0] = False  # the sampled tokens: scored there, 0 elsewhere
+    assert torch.equal(loss, ref_loss)
+    assert torch.equal(ent[at[:, 1:]], ref_ent[at[:, 1:]]) and not ent[~at[:, 1:]].any()
+    assert torch.equal(logp[at], ref_logp[at]) and not logp[~at].any()
+    assert torch.equal(cand[at], ref_cand[at]) and not cand[~at].any()
     assert all(torch.equal(grads[k], ref[k]) for k in ref)
     assert all(torch.equal(m[k], ref_m[k]) for k in ref_m)
     (masked_loss, *_), masked = run_grads(lambda: _old_batch_loss(net, b, arm, b.attention))

@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from mismatch.metrics import kl_estimators
@@ -264,10 +265,15 @@ class Batch:
 
 
 def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
-    """Pad the units' episodes into one batch; advantages are group-relative within a unit."""
+    """Pad the units' episodes into one batch; advantages are group-relative within a unit.
+
+    The per-token lists are converted with numpy (a few times faster than torch.tensor on
+    nested Python lists; the same float32 rounding) and the candidates of the whole batch
+    placed with one indexed write per field."""
     eps = [ep for u in units for ep in u.episodes]
     b, t = len(eps), max(len(ep.token_ids) for ep in eps)
     k = max((len(c) for ep in eps for c in ep.candidate_ids[:1]), default=1)
+    lengths = [len(ep.token_ids) for ep in eps]
     ids = torch.full((b, t), pad_id, dtype=torch.long)
     attention = torch.zeros(b, t, dtype=torch.long)
     mask = torch.zeros(b, t, dtype=torch.bool)
@@ -276,18 +282,30 @@ def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
     cand_slp = torch.full((b, t, k), float("-inf"))
     support = torch.zeros(b, t, k, dtype=torch.bool)
     stale = torch.zeros(b, t)
+    rows, cols = [], []  # the sampled positions of the batch, episode by episode
     for i, ep in enumerate(eps):
-        n = len(ep.token_ids)
-        ids[i, :n] = torch.tensor(ep.token_ids)
+        n = lengths[i]
+        ids[i, :n] = torch.from_numpy(np.asarray(ep.token_ids, dtype=np.int64))
         attention[i, :n] = 1
-        mask[i, :n] = torch.tensor(ep.sampled_mask, dtype=torch.bool)
-        slp[i, :n] = torch.tensor(ep.sampler_logprobs)
-        pos = torch.tensor(ep.sampled_positions, dtype=torch.long)
+        mask[i, :n] = torch.from_numpy(np.asarray(ep.sampled_mask, dtype=np.bool_))
+        slp[i, :n] = torch.from_numpy(np.asarray(ep.sampler_logprobs, dtype=np.float32))
+        pos = torch.from_numpy(np.asarray(ep.sampled_positions, dtype=np.int64))
         if len(pos):
-            cand_ids[i, pos] = torch.tensor(ep.candidate_ids)
-            cand_slp[i, pos] = torch.tensor(ep.candidate_logprobs)
-            support[i, pos] = torch.tensor(ep.candidate_support, dtype=torch.bool)
-            stale[i, pos] = float(step) - torch.tensor(ep.policy_version, dtype=torch.float)[pos]
+            version = torch.from_numpy(np.asarray(ep.policy_version, dtype=np.float32))
+            stale[i, pos] = float(step) - version[pos]
+            rows.append(torch.full((len(pos),), i, dtype=torch.long))
+            cols.append(pos)
+    if rows:
+        at = (torch.cat(rows), torch.cat(cols))
+        sampled = [(eps[int(r[0])], len(r)) for r in rows]
+
+        def stacked(name: str, dtype) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate(
+                [np.asarray(getattr(ep, name), dtype=dtype).reshape(n, k) for ep, n in sampled]))
+
+        cand_ids[at] = stacked("candidate_ids", np.int64)
+        cand_slp[at] = stacked("candidate_logprobs", np.float32)
+        support[at] = stacked("candidate_support", np.bool_)
     rewards = torch.tensor([[ep.reward for ep in u.episodes] for u in units])
     return Batch(ids=ids, attention=attention, mask=mask, sampler_logp=slp, cand_ids=cand_ids,
                  cand_sampler_logp=cand_slp, support=support,
@@ -300,28 +318,30 @@ def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
 
 
 class _TokenScores(torch.autograd.Function):
-    """logits [B, T, V] → the FP32 log-softmax of positions 0…T-2 (each predicts the next token)
-    gathered at the next tokens [B, T-1] and at the candidates [B, T-1, K], and the entropy of
-    each position [B, T-1] (not differentiable), a few sequences at a time: the [B, T-1, V] FP32
-    log-softmax never exists whole, and each chunk's passes stay in cache. Every number equals
-    torch's own `log_softmax(logits.float()[:, :-1], -1).gather(…)` bit for bit, forward and
-    backward: each chunk runs the same row-wise kernels (log-softmax, gather's scatter-add
-    backward, the log-softmax backward, the cast back to the logits' dtype) on the same rows;
-    the backward recomputes the chunk's log-softmax instead of keeping it."""
+    """logits [B, T, V] and N predicting positions (sequence `seq`, position `pos`: it predicts
+    token pos+1) → the FP32 log-softmax of each such row gathered at its `labels` [N] and
+    `cand_ids` [N, K], and its entropy [N] (not differentiable), `rows` rows at a time: the FP32
+    log-softmax exists for one cache-sized chunk at a time, never as [B, T-1, V], and only for
+    the positions asked for. Every number equals torch's own `log_softmax(logits.float()[:, :-1],
+    -1).gather(…)` at those rows bit for bit, forward and backward: each chunk runs the same
+    row-wise kernels (log-softmax, gather's scatter-add backward, the log-softmax backward, the
+    cast back to the logits' dtype) on the same rows; the backward recomputes the chunk's
+    log-softmax instead of keeping it. Rows not asked for get a zero gradient, as the masked loss
+    gives them."""
 
     @staticmethod
-    def forward(ctx, logits, nxt, cand_ids, rows):
-        b, t, _ = logits.shape
-        logp = torch.empty(b, t - 1, dtype=torch.float32)
-        cand = torch.empty(b, t - 1, cand_ids.shape[-1], dtype=torch.float32)
-        ent = torch.empty(b, t - 1, dtype=torch.float32)
-        for r0 in range(0, b, rows):
-            r1 = min(b, r0 + rows)
-            lsm = torch.log_softmax(logits[r0:r1, :-1].float(), dim=-1)
-            logp[r0:r1] = lsm.gather(-1, nxt[r0:r1, :, None])[..., 0]
+    def forward(ctx, logits, seq, pos, labels, cand_ids, rows):
+        n = seq.shape[0]
+        logp = torch.empty(n, dtype=torch.float32)
+        cand = torch.empty(n, cand_ids.shape[-1], dtype=torch.float32)
+        ent = torch.empty(n, dtype=torch.float32)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            lsm = torch.log_softmax(logits[seq[r0:r1], pos[r0:r1]].float(), dim=-1)
+            logp[r0:r1] = lsm.gather(-1, labels[r0:r1, None])[:, 0]
             cand[r0:r1] = lsm.gather(-1, cand_ids[r0:r1])
             ent[r0:r1] = -(lsm.exp() * lsm).sum(-1)
-        ctx.save_for_backward(logits, nxt, cand_ids)
+        ctx.save_for_backward(logits, seq, pos, labels, cand_ids)
         ctx.rows = rows
         ctx.mark_non_differentiable(ent)
         ctx.set_materialize_grads(False)
@@ -329,22 +349,24 @@ class _TokenScores(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_cand, _):
-        logits, nxt, cand_ids = ctx.saved_tensors
-        grad = torch.zeros_like(logits)  # the last position predicts nothing: zero
+        logits, seq, pos, labels, cand_ids = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        n = seq.shape[0]
         if g_logp is None and g_cand is None:
-            return grad, None, None, None
-        for r0 in range(0, logits.shape[0], ctx.rows):
-            r1 = min(logits.shape[0], r0 + ctx.rows)
-            lsm = torch.log_softmax(logits[r0:r1, :-1].float(), dim=-1)
+            return grad, None, None, None, None, None
+        for r0 in range(0, n, ctx.rows):
+            r1 = min(n, r0 + ctx.rows)
+            at = (seq[r0:r1], pos[r0:r1])
+            lsm = torch.log_softmax(logits[at].float(), dim=-1)
             g = None
             if g_logp is not None:
-                g = torch.zeros_like(lsm).scatter_add_(-1, nxt[r0:r1, :, None],
-                                                       g_logp[r0:r1, :, None])
+                g = torch.zeros_like(lsm).scatter_add_(-1, labels[r0:r1, None],
+                                                       g_logp[r0:r1, None])
             if g_cand is not None:
                 gc = torch.zeros_like(lsm).scatter_add_(-1, cand_ids[r0:r1], g_cand[r0:r1])
                 g = gc if g is None else g + gc
-            grad[r0:r1, :-1] = torch._log_softmax_backward_data(g, lsm, -1, torch.float32)
-        return grad, None, None, None
+            grad[at] = torch._log_softmax_backward_data(g, lsm, -1, torch.float32).to(grad.dtype)
+        return grad, None, None, None, None, None
 
 
 _SCORE_CHUNK = 1 << 18
@@ -359,29 +381,35 @@ def right_padded(attention: torch.Tensor) -> bool:
 
 def token_scores(model: torch.nn.Module, batch: Batch):
     """The trainer's teacher-forced scores of `batch` under `model` (FP32 log-softmax of its
-    logits): log π of each token [B, T] and of each candidate [B, T, K] (0 at position 0, which
-    nothing predicts), and the entropy of the distributions predicting positions 1…T-1 [B, T-1]
-    (detached).
+    logits) at the sampled tokens (`batch.mask`, position 0 excepted: nothing predicts it):
+    log π of each token [B, T] and of each candidate [B, T, K], and the entropy [B, T-1] of
+    the distribution that predicts position t+1 (detached); 0 at every other position. The loss
+    and the metrics read the sampled positions only; the log-softmax is computed there alone.
 
     A right-padded batch (what build_batch makes) runs without its attention mask: under causal
     attention a real token never sees the padding after it, so the logits of every real position
     are the same bit for bit, and attention takes its causal path (half the score blocks, no
-    [B, 1, T, T] mask) instead of the masked one."""
+    [B, 1, T, T] mask) instead of the masked one. The gradients then differ from the masked
+    path's by BF16 rounding only (the attention backward sums in another order)."""
     attention = None if right_padded(batch.attention) else batch.attention
     logits = model(input_ids=batch.ids, attention_mask=attention, use_cache=False).logits
     b, t, v = logits.shape
-    rows = max(1, _SCORE_CHUNK // max(1, (t - 1) * v))
-    logp, cand, ent = _TokenScores.apply(logits, batch.ids[:, 1:], batch.cand_ids[:, 1:], rows)
-    logp = torch.cat([logp.new_zeros(b, 1), logp], dim=1)
-    cand = torch.cat([cand.new_zeros(b, 1, cand.shape[-1]), cand], dim=1)
+    seq, pos = batch.mask[:, 1:].nonzero(as_tuple=True)          # position pos predicts pos+1
+    rows = max(1, _SCORE_CHUNK // max(1, v))
+    lp, cl, en = _TokenScores.apply(logits, seq, pos, batch.ids[seq, pos + 1],
+                                    batch.cand_ids[seq, pos + 1], rows)
+    k = batch.cand_ids.shape[-1]
+    logp = torch.zeros(b, t, dtype=torch.float32).index_put((seq, pos + 1), lp)
+    cand = torch.zeros(b, t, k, dtype=torch.float32).index_put((seq, pos + 1), cl)
+    ent = torch.zeros(b, t - 1, dtype=torch.float32).index_put_((seq, pos), en)
     return logp, cand, ent
 
 
 def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
     """The arm's loss of `batch` under `model` (teacher-forced, FP32 log-softmax of its logits;
-    token_scores): (loss — a mean over the batch's valid tokens —, the loss's metrics, the
-    entropy [B, T-1] of each predicting position, log π of each token [B, T], log π of each
-    candidate [B, T, K], the sampled-token mask)."""
+    token_scores): (loss — a mean over the batch's valid tokens —, the loss's metrics, and, at
+    the sampled tokens (0 elsewhere), the entropy [B, T-1] of each position predicting one,
+    log π of each token [B, T] and log π of each candidate [B, T, K]; the sampled-token mask)."""
     logp, cand, ent = token_scores(model, batch)
     loss, m, mask = arm_loss(logp, cand, batch, correction)
     return loss, m, ent, logp, cand, mask
