@@ -304,8 +304,8 @@ def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok,
 
 def _old_batch_loss(model, b, arm, attention):
     """The trainer's loss as it was first written: the whole [B, T-1, V] FP32 log-softmax
-    gathered at the tokens and candidates, autograd through it (the reference)."""
-    from train.trainer import arm_loss
+    gathered at the tokens and candidates, autograd through it, the loss over [B, T]."""
+    from train.loss import ARMS, policy_loss
 
     logits = model(input_ids=b.ids, attention_mask=attention, use_cache=False).logits.float()
     lsm = torch.log_softmax(logits[:, :-1], dim=-1)
@@ -313,7 +313,14 @@ def _old_batch_loss(model, b, arm, attention):
                       lsm.gather(-1, b.ids[:, 1:, None])[..., 0]], dim=1)
     cand = torch.cat([torch.zeros(b.cand_ids.shape[0], 1, b.cand_ids.shape[-1]),
                       lsm.gather(-1, b.cand_ids[:, 1:])], dim=1)
-    loss, m, _ = arm_loss(logp, cand, b, arm)
+    mask = b.mask.clone()
+    mask[:, 0] = False
+    kwargs = {}
+    if ARMS[arm].centered or ARMS[arm].top_p:
+        kwargs = dict(cand_logp=cand, cand_sampler_logp=b.cand_sampler_logp)
+        if ARMS[arm].top_p:
+            kwargs["support_mask"] = b.support
+    loss, m = policy_loss(logp, b.sampler_logp, b.advantages, mask, arm=arm, **kwargs)
     return loss, m, -(lsm.exp() * lsm).sum(-1).detach(), logp, cand
 
 
@@ -337,9 +344,10 @@ def padded_batch(model, tok):
 
 @pytest.mark.parametrize("arm", ["grpo", "tis", "sc+mis", "sc+mis+topp"])
 def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
-    """The chunked scoring of the sampled positions (train.trainer.token_scores) gives the loss,
-    the log-probs, the entropy and every gradient of the full-vocabulary log-softmax of every
-    position bit for bit; the unmasked
+    """The chunked scoring of the sampled positions (train.trainer.token_scores) and the loss
+    over them alone (arm_loss) give the log-probs, the entropy and every gradient of the
+    full-vocabulary log-softmax of every position and the [B, T] loss bit for bit, the loss and
+    its metrics to float rounding (summed in another order); the unmasked
     forward of a right-padded batch gives the masked forward's loss bit for bit and its
     gradients to BF16 rounding (the attention backward's summation order)."""
     from train.trainer import batch_loss
@@ -358,14 +366,36 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
         lambda: _old_batch_loss(net, b, arm, None))
     at = b.mask.clone()
     at[:, 0] = False  # the sampled tokens: scored there, 0 elsewhere
-    assert torch.equal(loss, ref_loss)
     assert torch.equal(ent[at[:, 1:]], ref_ent[at[:, 1:]]) and not ent[~at[:, 1:]].any()
     assert torch.equal(logp[at], ref_logp[at]) and not logp[~at].any()
     assert torch.equal(cand[at], ref_cand[at]) and not cand[~at].any()
+    # the loss over the packed sampled tokens: the same terms summed in another order
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=1e-9)
     assert all(torch.equal(grads[k], ref[k]) for k in ref)
-    assert all(torch.equal(m[k], ref_m[k]) for k in ref_m)
+    assert set(m) == set(ref_m)
+    for k in ref_m:
+        assert torch.allclose(m[k].double(), ref_m[k].double(), rtol=1e-6, atol=1e-12), k
+    for k in ("ratio_p05", "ratio_p50", "ratio_p95", "valid_tokens"):
+        assert torch.equal(m[k], ref_m[k])
     (masked_loss, *_), masked = run_grads(lambda: _old_batch_loss(net, b, arm, b.attention))
-    assert torch.equal(loss, masked_loss)
+    assert torch.equal(ref_loss, masked_loss)
     for k in masked:
         diff = (grads[k].float() - masked[k].float()).norm()
         assert diff <= 0.02 * masked[k].float().norm() + 1e-6, k
+
+
+def test_lockstep_trainer_takes_the_idle_samplers_threads(model, monkeypatch):
+    from train.trainer import Trainer, lockstep_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    assert lockstep_threads(TrainConfig()) is None  # pipelined: samplers run while it steps
+    assert lockstep_threads(TrainConfig(sync=True)) == min(cpus, 2)
+    assert lockstep_threads(TrainConfig(staleness=1, workers=3, threads=2)) == max(
+        2, min(cpus, 8))
+    trainer = Trainer(model, TrainConfig(sync=True, threads=1, workers=1))
+    seen = []
+    monkeypatch.setattr(trainer, "_step", lambda batch: seen.append(torch.get_num_threads()))
+    held = torch.get_num_threads()
+    trainer.threads = held + 1
+    trainer.step(None)
+    assert seen == [held + 1] and torch.get_num_threads() == held  # restored after the step

@@ -123,7 +123,8 @@ class TrainConfig:
     checkpoint_every: int = 10
     """Checkpoint every this many steps (and at the end or a stop)."""
     threads: int = 1
-    """torch intra-op threads (the process's; every worker and the trainer share them)."""
+    """torch intra-op threads (the process's; every worker and the trainer share them; in the
+    lockstep modes the trainer's step also takes the idle workers' share: lockstep_threads)."""
     seed: int = 0
     """Seeds the router, the tasks' order and every unit's sampling."""
     tasks: str = "zoo"
@@ -417,17 +418,29 @@ def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
 
 def arm_loss(logp: torch.Tensor, cand: torch.Tensor, batch: Batch, correction: str):
     """The arm's loss given the trainer's log π of each token [B, T] and of each candidate
-    [B, T, K]: (loss, its metrics, the sampled-token mask it averaged over)."""
+    [B, T, K]: (loss, its metrics, the sampled-token mask [B, T] it averaged over).
+
+    policy_loss runs on the sampled tokens alone, packed into one row ([1, N], [1, N, K]; each
+    token with its sequence's advantage): the loss is a token mean, so padding, prompt and tool
+    tokens only ever entered it as zeros, and its [B, T, K] float64 coefficients shrink to the
+    N sampled tokens. Every token's gradient is the same; the loss and the metrics' means are
+    summed in another order (equal to float rounding), the ratio quantiles are the same."""
     arm = ARMS[correction]
     mask = batch.mask.clone()
     mask[:, 0] = False
+    at = mask.nonzero(as_tuple=True)
+
+    def packed(x: torch.Tensor) -> torch.Tensor:
+        return x[at].unsqueeze(0)
+
     kwargs = {}
     if arm.centered or arm.top_p:
-        kwargs = dict(cand_logp=cand, cand_sampler_logp=batch.cand_sampler_logp)
+        kwargs = dict(cand_logp=packed(cand), cand_sampler_logp=packed(batch.cand_sampler_logp))
         if arm.top_p:
-            kwargs["support_mask"] = batch.support
-    loss, m = policy_loss(logp, batch.sampler_logp, batch.advantages, mask, arm=correction,
-                          **kwargs)
+            kwargs["support_mask"] = packed(batch.support)
+    adv = batch.advantages[at[0]].unsqueeze(0)
+    loss, m = policy_loss(packed(logp), packed(batch.sampler_logp), adv,
+                          torch.ones_like(adv, dtype=torch.bool), arm=correction, **kwargs)
     return loss, m, mask
 
 
@@ -439,7 +452,8 @@ def entropy(lsm: torch.Tensor) -> torch.Tensor:
 def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Tensor,
                  batch: Batch, mask: torch.Tensor) -> dict[str, Any]:
     """A step's numerics metrics from the loss's metrics `m`, the trainer's entropy [B, T-1] and
-    log-probs (tokens [B, T], candidates [B, T, K]) of the whole batch."""
+    log-probs (tokens [B, T], candidates [B, T, K]) of the whole batch (read at the sampled
+    tokens `mask` only)."""
     valid = mask & torch.isfinite(batch.sampler_logp)
     kl = kl_estimators(logp, batch.sampler_logp, valid)
     ent_mean = float(ent[valid[:, 1:]].mean()) if valid.any() else float("nan")
@@ -453,12 +467,30 @@ def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Ten
            "ratio_p05": float(m["ratio_p05"]), "ratio_p50": float(m["ratio_p50"]),
            "ratio_p95": float(m["ratio_p95"]), "entropy": ent_mean, "group_kl": per_group,
            "valid_tokens": int(m["valid_tokens"])}
-    out["sc_tail_ratio"] = (float(m["sc_tail_ratio"]) if "sc_tail_ratio" in m
-                            else sc_tail_ratio(cand, batch.cand_sampler_logp, valid))
+    if "sc_tail_ratio" in m:
+        out["sc_tail_ratio"] = float(m["sc_tail_ratio"])
+    else:  # over the valid tokens alone, packed (the same rows, the same mean)
+        at = valid.nonzero(as_tuple=True)
+        out["sc_tail_ratio"] = sc_tail_ratio(cand[at][None], batch.cand_sampler_logp[at][None],
+                                             torch.ones(1, len(at[0]), dtype=torch.bool))
     for key in ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer"):
         if key in m:
             out[key] = float(m[key])
     return out
+
+
+def lockstep_threads(cfg: TrainConfig) -> int | None:
+    """The trainer's threads while it steps in a lockstep mode (sync, forced staleness): the
+    samplers wait for its weights then, so it takes their threads as well as its own,
+    `threads` × (`workers` + 1), capped at the CPUs this process may use. None (the process's
+    setting, shared with sampling) in the pipelined modes."""
+    if not cfg.lockstep:
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(cfg.threads, min(cpus, cfg.threads * (cfg.workers + 1)))
 
 
 class Trainer:
@@ -474,6 +506,8 @@ class Trainer:
         self.compute.train()
         self.opt = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
                                      weight_decay=0.0)
+        self.threads: int | None = lockstep_threads(cfg)
+        """torch intra-op threads while `step` runs (restored after); None: leave them."""
         self._sync_compute()
 
     def _sync_compute(self) -> None:
@@ -507,7 +541,18 @@ class Trainer:
         return save_checkpoint(out, step, self, next_unit, self.cfg, older)
 
     def step(self, batch: Batch) -> dict[str, Any]:
-        """One corrected GRPO step; returns its metrics (floats)."""
+        """One corrected GRPO step; returns its metrics (floats). Runs on `self.threads`
+        intra-op threads when set (the process's count is restored after)."""
+        held = torch.get_num_threads()
+        if not self.threads or self.threads == held:
+            return self._step(batch)
+        torch.set_num_threads(self.threads)
+        try:
+            return self._step(batch)
+        finally:
+            torch.set_num_threads(held)
+
+    def _step(self, batch: Batch) -> dict[str, Any]:
         cfg = self.cfg
         self.compute.zero_grad(set_to_none=True)
         loss, m, ent, logp, cand, mask = batch_loss(self.compute, batch, cfg.correction)
