@@ -345,11 +345,11 @@ def padded_batch(model, tok):
 @pytest.mark.parametrize("arm", ["grpo", "tis", "sc+mis", "sc+mis+topp"])
 def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
     """The chunked scoring of the sampled positions (train.trainer.token_scores) and the loss
-    over them alone (arm_loss) give the log-probs, the entropy and every gradient of the
-    full-vocabulary log-softmax of every position and the [B, T] loss bit for bit, the loss and
-    its metrics to float rounding (summed in another order); the unmasked
-    forward of a right-padded batch gives the masked forward's loss bit for bit and its
-    gradients to BF16 rounding (the attention backward's summation order)."""
+    over them alone (arm_loss) give the log-probs and the entropy of the full-vocabulary
+    log-softmax of every position bit for bit, its gradients bit for bit but the output head's
+    (to BF16 rounding), the loss and its metrics to float rounding (summed in another order);
+    the unmasked forward of a right-padded batch gives the masked forward's loss bit for bit
+    and its gradients to BF16 rounding (the attention backward's summation order)."""
     from train.trainer import batch_loss
 
     b = padded_batch
@@ -371,7 +371,11 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
     assert torch.equal(cand[at], ref_cand[at]) and not cand[~at].any()
     # the loss over the packed sampled tokens: the same terms summed in another order
     assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=1e-9)
-    assert all(torch.equal(grads[k], ref[k]) for k in ref)
+    # the output head runs on the sampled rows alone: its weight gradient sums them in another
+    # order (BF16 rounding of a few elements); every other gradient is the same bit for bit
+    assert [k for k in ref if not torch.equal(grads[k], ref[k])] in ([], ["lm_head.weight"])
+    head = grads["lm_head.weight"].float() - ref["lm_head.weight"].float()
+    assert head.norm() <= 1e-5 * ref["lm_head.weight"].float().norm()
     assert set(m) == set(ref_m)
     for k in ref_m:
         assert torch.allclose(m[k].double(), ref_m[k].double(), rtol=1e-6, atol=1e-12), k
