@@ -350,7 +350,7 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
     (to BF16 rounding), the loss and its metrics to float rounding (summed in another order);
     the unmasked forward of a right-padded batch gives the masked forward's loss bit for bit
     and its gradients to BF16 rounding (the attention backward's summation order)."""
-    from train.trainer import batch_loss
+    from train.trainer import batch_loss, token_scores
 
     b = padded_batch
     net = copy.deepcopy(model).train()
@@ -381,6 +381,8 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
         assert torch.allclose(m[k].double(), ref_m[k].double(), rtol=1e-6, atol=1e-12), k
     for k in ("ratio_p05", "ratio_p50", "ratio_p95", "valid_tokens"):
         assert torch.equal(m[k], ref_m[k])
+    scores = token_scores(net, b)  # the same scores, unpacked, for other callers
+    assert all(torch.equal(x.detach(), y) for x, y in zip(scores, (logp, cand, ent)))
     (masked_loss, *_), masked = run_grads(lambda: _old_batch_loss(net, b, arm, b.attention))
     assert torch.equal(ref_loss, masked_loss)
     for k in masked:

@@ -413,17 +413,34 @@ def token_scores(model: torch.nn.Module, batch: Batch):
     gradients differ by BF16 rounding only: the attention backward sums in another order than
     the masked one, and the output head's weight gradient sums the sampled rows alone (a few
     in 10^4 of its elements round the other way)."""
+    _, at = _sampled(batch)
+    lp, cl, en = _packed_scores(model, batch, at)
+    return _unpacked(lp, cl, en, at, batch)
+
+
+def _sampled(batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The sampled-token mask [B, T] the loss averages over (position 0 excepted) and its
+    positions (rows, columns), row-major."""
+    mask = batch.mask.clone()
+    mask[:, 0] = False
+    return mask, mask.nonzero(as_tuple=True)
+
+
+def _packed_scores(model: torch.nn.Module, batch: Batch, at):
+    """token_scores at the positions `at` only: log π [N], candidates [N, K], entropy [N]."""
     attention = None if right_padded(batch.attention) else batch.attention
-    seq, pos = batch.mask[:, 1:].nonzero(as_tuple=True)          # position pos predicts pos+1
+    seq, pos = at[0], at[1] - 1                                   # position pos predicts pos+1
     logits = _logits_at(model, batch.ids, attention, seq, pos)
-    b, t = batch.ids.shape
     rows = max(1, _SCORE_CHUNK // max(1, logits.shape[-1]))
-    lp, cl, en = _TokenScores.apply(logits, batch.ids[seq, pos + 1],
-                                    batch.cand_ids[seq, pos + 1], rows)
-    k = batch.cand_ids.shape[-1]
-    logp = torch.zeros(b, t, dtype=torch.float32).index_put((seq, pos + 1), lp)
-    cand = torch.zeros(b, t, k, dtype=torch.float32).index_put((seq, pos + 1), cl)
-    ent = torch.zeros(b, t - 1, dtype=torch.float32).index_put_((seq, pos), en)
+    return _TokenScores.apply(logits, batch.ids[at], batch.cand_ids[at], rows)
+
+
+def _unpacked(lp, cl, en, at, batch: Batch):
+    """Packed scores back in place: [B, T], [B, T, K], [B, T-1] (0 elsewhere)."""
+    b, t, k = batch.cand_ids.shape
+    logp = torch.zeros(b, t, dtype=torch.float32).index_put(at, lp)
+    cand = torch.zeros(b, t, k, dtype=torch.float32).index_put(at, cl)
+    ent = torch.zeros(b, t - 1, dtype=torch.float32).index_put_((at[0], at[1] - 1), en)
     return logp, cand, ent
 
 
@@ -432,8 +449,10 @@ def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
     token_scores): (loss — a mean over the batch's valid tokens —, the loss's metrics, and, at
     the sampled tokens (0 elsewhere), the entropy [B, T-1] of each position predicting one,
     log π of each token [B, T] and log π of each candidate [B, T, K]; the sampled-token mask)."""
-    logp, cand, ent = token_scores(model, batch)
-    loss, m, mask = arm_loss(logp, cand, batch, correction)
+    mask, at = _sampled(batch)
+    lp, cl, en = _packed_scores(model, batch, at)
+    loss, m = _packed_loss(lp, cl, batch, at, correction)
+    logp, cand, ent = _unpacked(lp.detach(), cl.detach(), en, at, batch)
     return loss, m, ent, logp, cand, mask
 
 
@@ -446,28 +465,28 @@ def arm_loss(logp: torch.Tensor, cand: torch.Tensor, batch: Batch, correction: s
     tokens only ever entered it as zeros, and its [B, T, K] float64 coefficients shrink to the
     N sampled tokens. Every token's gradient is the same; the loss and the metrics' means are
     summed in another order (equal to float rounding), the ratio quantiles are the same."""
+    mask, at = _sampled(batch)
+    loss, m = _packed_loss(logp[at], cand[at], batch, at, correction)
+    return loss, m, mask
+
+
+def _packed_loss(lp: torch.Tensor, cl: torch.Tensor, batch: Batch, at, correction: str):
+    """policy_loss of the tokens at positions `at`, given their log π [N] and candidates' [N, K],
+    as one row."""
     arm = ARMS[correction]
-    mask = batch.mask.clone()
-    mask[:, 0] = False
-    at = mask.nonzero(as_tuple=True)
 
     def packed(x: torch.Tensor) -> torch.Tensor:
         return x[at].unsqueeze(0)
 
     kwargs = {}
     if arm.centered or arm.top_p:
-        kwargs = dict(cand_logp=packed(cand), cand_sampler_logp=packed(batch.cand_sampler_logp))
+        kwargs = dict(cand_logp=cl.unsqueeze(0),
+                      cand_sampler_logp=packed(batch.cand_sampler_logp))
         if arm.top_p:
             kwargs["support_mask"] = packed(batch.support)
     adv = batch.advantages[at[0]].unsqueeze(0)
-    loss, m = policy_loss(packed(logp), packed(batch.sampler_logp), adv,
-                          torch.ones_like(adv, dtype=torch.bool), arm=correction, **kwargs)
-    return loss, m, mask
-
-
-def entropy(lsm: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy [B, T-1] of a log-softmax [B, T-1, V]."""
-    return -(lsm.exp() * lsm).sum(-1)
+    return policy_loss(lp.unsqueeze(0), packed(batch.sampler_logp), adv,
+                       torch.ones_like(adv, dtype=torch.bool), arm=correction, **kwargs)
 
 
 def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Tensor,
