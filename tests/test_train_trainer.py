@@ -5,6 +5,7 @@ and --stop-on ends the run with a checkpoint."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -302,3 +303,108 @@ def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok,
     for name, w in trainer.published().items():
         if name in master:
             assert torch.equal(w, master[name].detach().to(torch.bfloat16))
+
+
+def _old_batch_loss(model, b, arm, attention):
+    """The trainer's loss as it was first written: the whole [B, T-1, V] FP32 log-softmax
+    gathered at the tokens and candidates, autograd through it, the loss over [B, T]."""
+    from train.loss import ARMS, policy_loss
+
+    logits = model(input_ids=b.ids, attention_mask=attention, use_cache=False).logits.float()
+    lsm = torch.log_softmax(logits[:, :-1], dim=-1)
+    logp = torch.cat([torch.zeros(b.ids.shape[0], 1),
+                      lsm.gather(-1, b.ids[:, 1:, None])[..., 0]], dim=1)
+    cand = torch.cat([torch.zeros(b.cand_ids.shape[0], 1, b.cand_ids.shape[-1]),
+                      lsm.gather(-1, b.cand_ids[:, 1:])], dim=1)
+    mask = b.mask.clone()
+    mask[:, 0] = False
+    kwargs = {}
+    if ARMS[arm].centered or ARMS[arm].top_p:
+        kwargs = dict(cand_logp=cand, cand_sampler_logp=b.cand_sampler_logp)
+        if ARMS[arm].top_p:
+            kwargs["support_mask"] = b.support
+    loss, m = policy_loss(logp, b.sampler_logp, b.advantages, mask, arm=arm, **kwargs)
+    return loss, m, -(lsm.exp() * lsm).sum(-1).detach(), logp, cand
+
+
+@pytest.fixture(scope="module")
+def padded_batch(model, tok):
+    from train.fleet import fleet
+    from train.rollout import run_episodes
+    from train.trainer import task_of
+
+    group = fleet("mixed")[5]
+    eps = run_episodes(model, tok, [task_of(2, 0, ("arith",))] * 4, group, version=0,
+                       max_turns=2, max_new_tokens=40, top_k_candidates=16, seed=5,
+                       top_p=0.97, top_k=64)
+    for ep, r in zip(eps, (1.0, 0.0, 1.0, 0.0)):
+        ep.reward = r
+    b = build_batch([Unit(index=0, group=group.name, version=0, episodes=eps, seconds=0.0)],
+                    step=0, pad_id=tok.pad_token_id)
+    assert not b.attention.bool().all()  # rows of different lengths: padding to skip
+    return b
+
+
+@pytest.mark.parametrize("arm", ["grpo", "tis", "sc+mis", "sc+mis+topp"])
+def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
+    """The chunked scoring of the sampled positions (train.trainer.token_scores) and the loss
+    over them alone (arm_loss) give the log-probs and the entropy of the full-vocabulary
+    log-softmax of every position bit for bit, its gradients bit for bit but the output head's
+    (to BF16 rounding), the loss and its metrics to float rounding (summed in another order);
+    the unmasked forward of a right-padded batch gives the masked forward's loss bit for bit
+    and its gradients to BF16 rounding (the attention backward's summation order)."""
+    from train.trainer import batch_loss, token_scores
+
+    b = padded_batch
+    net = copy.deepcopy(model).train()
+
+    def run_grads(fn):
+        net.zero_grad(set_to_none=True)
+        res = fn()
+        res[0].backward()
+        return res, {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    (loss, m, ent, logp, cand, mask), grads = run_grads(lambda: batch_loss(net, b, arm))
+    (ref_loss, ref_m, ref_ent, ref_logp, ref_cand), ref = run_grads(
+        lambda: _old_batch_loss(net, b, arm, None))
+    at = b.mask.clone()
+    at[:, 0] = False  # the sampled tokens: scored there, 0 elsewhere
+    assert torch.equal(ent[at[:, 1:]], ref_ent[at[:, 1:]]) and not ent[~at[:, 1:]].any()
+    assert torch.equal(logp[at], ref_logp[at]) and not logp[~at].any()
+    assert torch.equal(cand[at], ref_cand[at]) and not cand[~at].any()
+    # the loss over the packed sampled tokens: the same terms summed in another order
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=1e-9)
+    # the output head runs on the sampled rows alone: its weight gradient sums them in another
+    # order (BF16 rounding of a few elements); every other gradient is the same bit for bit
+    assert [k for k in ref if not torch.equal(grads[k], ref[k])] in ([], ["lm_head.weight"])
+    head = grads["lm_head.weight"].float() - ref["lm_head.weight"].float()
+    assert head.norm() <= 1e-5 * ref["lm_head.weight"].float().norm()
+    assert set(m) == set(ref_m)
+    for k in ref_m:
+        assert torch.allclose(m[k].double(), ref_m[k].double(), rtol=1e-6, atol=1e-12), k
+    for k in ("ratio_p05", "ratio_p50", "ratio_p95", "valid_tokens"):
+        assert torch.equal(m[k], ref_m[k])
+    scores = token_scores(net, b)  # the same scores, unpacked, for other callers
+    assert all(torch.equal(x.detach(), y) for x, y in zip(scores, (logp, cand, ent)))
+    (masked_loss, *_), masked = run_grads(lambda: _old_batch_loss(net, b, arm, b.attention))
+    assert torch.equal(ref_loss, masked_loss)
+    for k in masked:
+        diff = (grads[k].float() - masked[k].float()).norm()
+        assert diff <= 0.02 * masked[k].float().norm() + 1e-6, k
+
+
+def test_lockstep_trainer_takes_the_idle_samplers_threads(model, monkeypatch):
+    from train.trainer import Trainer, lockstep_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    assert lockstep_threads(TrainConfig()) is None  # pipelined: samplers run while it steps
+    assert lockstep_threads(TrainConfig(sync=True)) == min(cpus, 2)
+    assert lockstep_threads(TrainConfig(staleness=1, workers=3, threads=2)) == max(
+        2, min(cpus, 8))
+    trainer = Trainer(model, TrainConfig(sync=True, threads=1, workers=1))
+    seen = []
+    monkeypatch.setattr(trainer, "_step", lambda batch: seen.append(torch.get_num_threads()))
+    held = torch.get_num_threads()
+    trainer.threads = held + 1
+    trainer.step(None)
+    assert seen == [held + 1] and torch.get_num_threads() == held  # restored after the step

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .trainer import Batch, TrainConfig, batch_loss, entropy
+from .trainer import Batch, TrainConfig, batch_loss
 
 __all__ = ["setup", "shard_rows", "ShardedTrainer"]
 
@@ -91,7 +91,7 @@ class ShardedTrainer:
         and token count (the same on every rank); with `details`, also this rank's
         (log π of its tokens [b, T], of their candidates [b, T, K], entropy [b, T-1])."""
         world = dist.get_world_size()
-        loss, m, lsm, logp, cand, _ = batch_loss(self.model, batch, self.cfg.correction)
+        loss, m, ent, logp, cand, _ = batch_loss(self.model, batch, self.cfg.correction)
         local = torch.tensor([float(m["valid_tokens"]), 0.0])
         local[1] = loss.detach().float() * local[0]
         total = local.clone()
@@ -109,8 +109,7 @@ class ShardedTrainer:
                "valid_tokens": tokens}
         if not details:
             return out
-        with torch.no_grad():
-            return out, (logp.detach(), cand.detach(), entropy(lsm.detach()))
+        return out, (logp.detach(), cand.detach(), ent)
 
     def state(self) -> dict[str, Any]:
         """The whole FP32 master and AdamW state (keyed by parameter name), gathered to CPU on

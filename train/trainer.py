@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from mismatch.metrics import kl_estimators
@@ -125,7 +126,8 @@ class TrainConfig:
     checkpoint_every: int = 10
     """Checkpoint every this many steps (and at the end or a stop)."""
     threads: int = 1
-    """torch intra-op threads (the process's; every worker and the trainer share them)."""
+    """torch intra-op threads (the process's; every worker and the trainer share them; in the
+    lockstep modes the trainer's step also takes the idle workers' share: lockstep_threads)."""
     seed: int = 0
     """Seeds the router, the tasks' order and every unit's sampling."""
     tasks: str = "zoo"
@@ -269,10 +271,15 @@ class Batch:
 
 
 def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
-    """Pad the units' episodes into one batch; advantages are group-relative within a unit."""
+    """Pad the units' episodes into one batch; advantages are group-relative within a unit.
+
+    The per-token lists are converted with numpy (a few times faster than torch.tensor on
+    nested Python lists; the same float32 rounding) and the candidates of the whole batch
+    placed with one indexed write per field."""
     eps = [ep for u in units for ep in u.episodes]
     b, t = len(eps), max(len(ep.token_ids) for ep in eps)
     k = max((len(c) for ep in eps for c in ep.candidate_ids[:1]), default=1)
+    lengths = [len(ep.token_ids) for ep in eps]
     ids = torch.full((b, t), pad_id, dtype=torch.long)
     attention = torch.zeros(b, t, dtype=torch.long)
     mask = torch.zeros(b, t, dtype=torch.bool)
@@ -281,18 +288,31 @@ def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
     cand_slp = torch.full((b, t, k), float("-inf"))
     support = torch.zeros(b, t, k, dtype=torch.bool)
     stale = torch.zeros(b, t)
+    rows, cols = [], []  # the sampled positions of the batch, episode by episode
     for i, ep in enumerate(eps):
-        n = len(ep.token_ids)
-        ids[i, :n] = torch.tensor(ep.token_ids)
+        n = lengths[i]
+        ids[i, :n] = torch.from_numpy(np.asarray(ep.token_ids, dtype=np.int64))
         attention[i, :n] = 1
-        mask[i, :n] = torch.tensor(ep.sampled_mask, dtype=torch.bool)
-        slp[i, :n] = torch.tensor(ep.sampler_logprobs)
-        pos = torch.tensor(ep.sampled_positions, dtype=torch.long)
+        mask[i, :n] = torch.from_numpy(np.asarray(ep.sampled_mask, dtype=np.bool_))
+        slp[i, :n] = torch.from_numpy(np.asarray(ep.sampler_logprobs, dtype=np.float32))
+        pos = torch.from_numpy(np.asarray(ep.sampled_positions, dtype=np.int64))
         if len(pos):
-            cand_ids[i, pos] = torch.as_tensor(ep.candidate_ids)
-            cand_slp[i, pos] = torch.as_tensor(ep.candidate_logprobs)
-            support[i, pos] = torch.as_tensor(ep.candidate_support, dtype=torch.bool)
-            stale[i, pos] = float(step) - torch.tensor(ep.policy_version, dtype=torch.float)[pos]
+            version = torch.from_numpy(np.asarray(ep.policy_version, dtype=np.float32))
+            stale[i, pos] = float(step) - version[pos]
+            rows.append(torch.full((len(pos),), i, dtype=torch.long))
+            cols.append(pos)
+    if rows:
+        at = (torch.cat(rows), torch.cat(cols))
+        sampled = [(eps[int(r[0])], len(r)) for r in rows]
+
+        def stacked(name: str, dtype) -> torch.Tensor:
+            # lists from older callers, tensors from run_episodes: numpy takes either
+            return torch.from_numpy(np.concatenate(
+                [np.asarray(getattr(ep, name), dtype=dtype).reshape(n, k) for ep, n in sampled]))
+
+        cand_ids[at] = stacked("candidate_ids", np.int64)
+        cand_slp[at] = stacked("candidate_logprobs", np.float32)
+        support[at] = stacked("candidate_support", np.bool_)
     rewards = torch.tensor([[ep.reward for ep in u.episodes] for u in units])
     return Batch(ids=ids, attention=attention, mask=mask, sampler_logp=slp, cand_ids=cand_ids,
                  cand_sampler_logp=cand_slp, support=support,
@@ -304,48 +324,182 @@ def build_batch(units: list[Unit], step: int, pad_id: int) -> Batch:
 # the trainer
 
 
+class _TokenScores(torch.autograd.Function):
+    """logits [N, V] of N predicting positions → the FP32 log-softmax of each row gathered at
+    its `labels` [N] and `cand_ids` [N, K], and its entropy [N] (not differentiable), `rows`
+    rows at a time: the FP32 log-softmax exists for one cache-sized chunk at a time, never for
+    the whole batch. Every number equals torch's own `log_softmax(logits.float(), -1).gather(…)`
+    bit for bit, forward and backward: each chunk runs the same row-wise kernels (log-softmax,
+    gather's scatter-add backward, the log-softmax backward, the cast back to the logits' dtype)
+    on the same rows; the backward recomputes the chunk's log-softmax instead of keeping it."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, cand_ids, rows):
+        n = logits.shape[0]
+        logp = torch.empty(n, dtype=torch.float32)
+        cand = torch.empty(n, cand_ids.shape[-1], dtype=torch.float32)
+        ent = torch.empty(n, dtype=torch.float32)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            lsm = torch.log_softmax(logits[r0:r1].float(), dim=-1)
+            logp[r0:r1] = lsm.gather(-1, labels[r0:r1, None])[:, 0]
+            cand[r0:r1] = lsm.gather(-1, cand_ids[r0:r1])
+            ent[r0:r1] = -(lsm.exp() * lsm).sum(-1)
+        ctx.save_for_backward(logits, labels, cand_ids)
+        ctx.rows = rows
+        ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)
+        return logp, cand, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_cand, _):
+        logits, labels, cand_ids = ctx.saved_tensors
+        if g_logp is None and g_cand is None:
+            return torch.zeros_like(logits), None, None, None
+        grad = torch.empty_like(logits)
+        n = logits.shape[0]
+        for r0 in range(0, n, ctx.rows):
+            r1 = min(n, r0 + ctx.rows)
+            lsm = torch.log_softmax(logits[r0:r1].float(), dim=-1)
+            g = None
+            if g_logp is not None:
+                g = torch.zeros_like(lsm).scatter_add_(-1, labels[r0:r1, None],
+                                                       g_logp[r0:r1, None])
+            if g_cand is not None:
+                gc = torch.zeros_like(lsm).scatter_add_(-1, cand_ids[r0:r1], g_cand[r0:r1])
+                g = gc if g is None else g + gc
+            grad[r0:r1] = torch._log_softmax_backward_data(g, lsm, -1, torch.float32)
+        return grad, None, None, None
+
+
+_SCORE_CHUNK = 1 << 18
+"""Logit elements (rows × V) per chunk of `token_scores`: ~1 MiB of FP32, cache-sized."""
+
+
+def right_padded(attention: torch.Tensor) -> bool:
+    """Whether every row of a [B, T] attention mask is ones then zeros (padding on the right)."""
+    a = attention.bool()
+    return bool((a[:, 1:] <= a[:, :-1]).all())
+
+
+def _logits_at(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor | None,
+               seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The logits [N, V] of positions (seq, pos) of a causal LM's forward over `ids`: its output
+    head (get_output_embeddings) is fed those positions' hidden states alone."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hook = None
+    if isinstance(head, torch.nn.Module):
+        def rows_only(_module, args):
+            hidden = args[0]
+            return (hidden[seq, pos],) + args[1:] if hidden.dim() == 3 else None
+
+        hook = head.register_forward_pre_hook(rows_only)
+    try:
+        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+    finally:
+        if hook is not None:
+            hook.remove()
+    return logits[seq, pos] if logits.dim() == 3 else logits  # a head that was not hooked
+
+
+def token_scores(model: torch.nn.Module, batch: Batch):
+    """The trainer's teacher-forced scores of `batch` under `model` (FP32 log-softmax of its
+    logits) at the sampled tokens (`batch.mask`, position 0 excepted: nothing predicts it):
+    log π of each token [B, T] and of each candidate [B, T, K], and the entropy [B, T-1] of
+    the distribution that predicts position t+1 (detached); 0 at every other position. The loss
+    and the metrics read the sampled positions only, so only their logits are computed (the
+    output head runs on their hidden states alone) and only their log-softmax.
+
+    A right-padded batch (what build_batch makes) runs without its attention mask: under causal
+    attention a real token never sees the padding after it, so the logits of every real position
+    are the same bit for bit, and attention takes its causal path (half the score blocks, no
+    [B, 1, T, T] mask) instead of the masked one.
+
+    The loss and the log-probs are those of the full [B, T, V] log-softmax bit for bit; the
+    gradients differ by BF16 rounding only: the attention backward sums in another order than
+    the masked one, and the output head's weight gradient sums the sampled rows alone (a few
+    in 10^4 of its elements round the other way)."""
+    _, at = _sampled(batch)
+    lp, cl, en = _packed_scores(model, batch, at)
+    return _unpacked(lp, cl, en, at, batch)
+
+
+def _sampled(batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The sampled-token mask [B, T] the loss averages over (position 0 excepted) and its
+    positions (rows, columns), row-major."""
+    mask = batch.mask.clone()
+    mask[:, 0] = False
+    return mask, mask.nonzero(as_tuple=True)
+
+
+def _packed_scores(model: torch.nn.Module, batch: Batch, at):
+    """token_scores at the positions `at` only: log π [N], candidates [N, K], entropy [N]."""
+    attention = None if right_padded(batch.attention) else batch.attention
+    seq, pos = at[0], at[1] - 1                                   # position pos predicts pos+1
+    logits = _logits_at(model, batch.ids, attention, seq, pos)
+    rows = max(1, _SCORE_CHUNK // max(1, logits.shape[-1]))
+    return _TokenScores.apply(logits, batch.ids[at], batch.cand_ids[at], rows)
+
+
+def _unpacked(lp, cl, en, at, batch: Batch):
+    """Packed scores back in place: [B, T], [B, T, K], [B, T-1] (0 elsewhere)."""
+    b, t, k = batch.cand_ids.shape
+    logp = torch.zeros(b, t, dtype=torch.float32).index_put(at, lp)
+    cand = torch.zeros(b, t, k, dtype=torch.float32).index_put(at, cl)
+    ent = torch.zeros(b, t - 1, dtype=torch.float32).index_put_((at[0], at[1] - 1), en)
+    return logp, cand, ent
+
+
 def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
-    """The arm's loss of `batch` under `model` (teacher-forced, FP32 log-softmax of its logits):
-    (loss — a mean over the batch's valid tokens —, the loss's metrics, log-softmax [B, T-1, V],
-    log π of each token [B, T], log π of each candidate [B, T, K], the sampled-token mask)."""
-    logits = model(input_ids=batch.ids, attention_mask=batch.attention,
-                   use_cache=False).logits.float()
-    lsm = torch.log_softmax(logits[:, :-1], dim=-1)                      # predicts t+1
-    nxt = batch.ids[:, 1:]
-    logp = torch.zeros(batch.ids.shape, dtype=torch.float32)
-    logp = torch.cat([logp[:, :1], lsm.gather(-1, nxt[..., None])[..., 0]], dim=1)
-    cand = torch.cat([torch.zeros_like(batch.cand_ids[:, :1], dtype=torch.float32)
-                      .expand(-1, -1, batch.cand_ids.shape[-1]),
-                      lsm.gather(-1, batch.cand_ids[:, 1:])], dim=1)
-    loss, m, mask = arm_loss(logp, cand, batch, correction)
-    return loss, m, lsm, logp, cand, mask
+    """The arm's loss of `batch` under `model` (teacher-forced, FP32 log-softmax of its logits;
+    token_scores): (loss — a mean over the batch's valid tokens —, the loss's metrics, and, at
+    the sampled tokens (0 elsewhere), the entropy [B, T-1] of each position predicting one,
+    log π of each token [B, T] and log π of each candidate [B, T, K]; the sampled-token mask)."""
+    mask, at = _sampled(batch)
+    lp, cl, en = _packed_scores(model, batch, at)
+    loss, m = _packed_loss(lp, cl, batch, at, correction)
+    logp, cand, ent = _unpacked(lp.detach(), cl.detach(), en, at, batch)
+    return loss, m, ent, logp, cand, mask
 
 
 def arm_loss(logp: torch.Tensor, cand: torch.Tensor, batch: Batch, correction: str):
     """The arm's loss given the trainer's log π of each token [B, T] and of each candidate
-    [B, T, K]: (loss, its metrics, the sampled-token mask it averaged over)."""
-    arm = ARMS[correction]
-    mask = batch.mask.clone()
-    mask[:, 0] = False
-    kwargs = {}
-    if arm.centered or arm.top_p:
-        kwargs = dict(cand_logp=cand, cand_sampler_logp=batch.cand_sampler_logp)
-        if arm.top_p:
-            kwargs["support_mask"] = batch.support
-    loss, m = policy_loss(logp, batch.sampler_logp, batch.advantages, mask, arm=correction,
-                          **kwargs)
+    [B, T, K]: (loss, its metrics, the sampled-token mask [B, T] it averaged over).
+
+    policy_loss runs on the sampled tokens alone, packed into one row ([1, N], [1, N, K]; each
+    token with its sequence's advantage): the loss is a token mean, so padding, prompt and tool
+    tokens only ever entered it as zeros, and its [B, T, K] float64 coefficients shrink to the
+    N sampled tokens. Every token's gradient is the same; the loss and the metrics' means are
+    summed in another order (equal to float rounding), the ratio quantiles are the same."""
+    mask, at = _sampled(batch)
+    loss, m = _packed_loss(logp[at], cand[at], batch, at, correction)
     return loss, m, mask
 
 
-def entropy(lsm: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy [B, T-1] of a log-softmax [B, T-1, V]."""
-    return -(lsm.exp() * lsm).sum(-1)
+def _packed_loss(lp: torch.Tensor, cl: torch.Tensor, batch: Batch, at, correction: str):
+    """policy_loss of the tokens at positions `at`, given their log π [N] and candidates' [N, K],
+    as one row."""
+    arm = ARMS[correction]
+
+    def packed(x: torch.Tensor) -> torch.Tensor:
+        return x[at].unsqueeze(0)
+
+    kwargs = {}
+    if arm.centered or arm.top_p:
+        kwargs = dict(cand_logp=cl.unsqueeze(0),
+                      cand_sampler_logp=packed(batch.cand_sampler_logp))
+        if arm.top_p:
+            kwargs["support_mask"] = packed(batch.support)
+    adv = batch.advantages[at[0]].unsqueeze(0)
+    return policy_loss(lp.unsqueeze(0), packed(batch.sampler_logp), adv,
+                       torch.ones_like(adv, dtype=torch.bool), arm=correction, **kwargs)
 
 
 def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Tensor,
                  batch: Batch, mask: torch.Tensor) -> dict[str, Any]:
     """A step's numerics metrics from the loss's metrics `m`, the trainer's entropy [B, T-1] and
-    log-probs (tokens [B, T], candidates [B, T, K]) of the whole batch."""
+    log-probs (tokens [B, T], candidates [B, T, K]) of the whole batch (read at the sampled
+    tokens `mask` only)."""
     valid = mask & torch.isfinite(batch.sampler_logp)
     kl = kl_estimators(logp, batch.sampler_logp, valid)
     ent_mean = float(ent[valid[:, 1:]].mean()) if valid.any() else float("nan")
@@ -359,12 +513,30 @@ def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Ten
            "ratio_p05": float(m["ratio_p05"]), "ratio_p50": float(m["ratio_p50"]),
            "ratio_p95": float(m["ratio_p95"]), "entropy": ent_mean, "group_kl": per_group,
            "valid_tokens": int(m["valid_tokens"])}
-    out["sc_tail_ratio"] = (float(m["sc_tail_ratio"]) if "sc_tail_ratio" in m
-                            else sc_tail_ratio(cand, batch.cand_sampler_logp, valid))
+    if "sc_tail_ratio" in m:
+        out["sc_tail_ratio"] = float(m["sc_tail_ratio"])
+    else:  # over the valid tokens alone, packed (the same rows, the same mean)
+        at = valid.nonzero(as_tuple=True)
+        out["sc_tail_ratio"] = sc_tail_ratio(cand[at][None], batch.cand_sampler_logp[at][None],
+                                             torch.ones(1, len(at[0]), dtype=torch.bool))
     for key in ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer"):
         if key in m:
             out[key] = float(m[key])
     return out
+
+
+def lockstep_threads(cfg: TrainConfig) -> int | None:
+    """The trainer's threads while it steps in a lockstep mode (sync, forced staleness): the
+    samplers wait for its weights then, so it takes their threads as well as its own,
+    `threads` × (`workers` + 1), capped at the CPUs this process may use. None (the process's
+    setting, shared with sampling) in the pipelined modes."""
+    if not cfg.lockstep:
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(cfg.threads, min(cpus, cfg.threads * (cfg.workers + 1)))
 
 
 class Trainer:
@@ -380,6 +552,8 @@ class Trainer:
         self.compute.train()
         self.opt = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
                                      weight_decay=0.0)
+        self.threads: int | None = lockstep_threads(cfg)
+        """torch intra-op threads while `step` runs (restored after); None: leave them."""
         self._sync_compute()
 
     def _sync_compute(self) -> None:
@@ -413,10 +587,21 @@ class Trainer:
         return save_checkpoint(out, step, self, next_unit, self.cfg, older)
 
     def step(self, batch: Batch) -> dict[str, Any]:
-        """One corrected GRPO step; returns its metrics (floats)."""
+        """One corrected GRPO step; returns its metrics (floats). Runs on `self.threads`
+        intra-op threads when set (the process's count is restored after)."""
+        held = torch.get_num_threads()
+        if not self.threads or self.threads == held:
+            return self._step(batch)
+        torch.set_num_threads(self.threads)
+        try:
+            return self._step(batch)
+        finally:
+            torch.set_num_threads(held)
+
+    def _step(self, batch: Batch) -> dict[str, Any]:
         cfg = self.cfg
         self.compute.zero_grad(set_to_none=True)
-        loss, m, lsm, logp, cand, mask = batch_loss(self.compute, batch, cfg.correction)
+        loss, m, ent, logp, cand, mask = batch_loss(self.compute, batch, cfg.correction)
         loss.backward()
         with torch.no_grad():
             for p, mp in zip(self.compute.parameters(), self.master.parameters()):
@@ -426,7 +611,7 @@ class Trainer:
                 self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self._sync_compute()
-            out = step_metrics(m, entropy(lsm), logp.detach(), cand.detach(), batch, mask)
+            out = step_metrics(m, ent, logp.detach(), cand.detach(), batch, mask)
         out.update(loss=float(loss.detach()), grad_norm=float(grad_norm),
                    skipped_nonfinite=not bool(torch.isfinite(grad_norm)))
         return out
