@@ -91,7 +91,8 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
                  version: int, scales: dict | None = None, max_turns: int = 4,
                  max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, top_k_candidates: int = 128, seed: int = 0,
-                 kv_reuse: bool = True, slots: int | None = None) -> list[Trajectory]:
+                 kv_reuse: bool = True, slots: int | None = None,
+                 episode_seeds: list[int] | None = None) -> list[Trajectory]:
     """Drive one single-question episode per task under `group`'s numerics through the rollout
     engine (mismatch.engines.engine): all episodes at once, each next turn joining the running
     batch as soon as its previous turn ends, prefilling only its new tokens (`kv_reuse`; False
@@ -99,8 +100,9 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
     dtype. `scales`: static activation scales of the group's spec (calibrated on the tasks'
     prompts when the spec quantizes activations and none are given). `top_p`, `top_k`: the
     sampled nucleus (1.0 and 0: the full distribution). Episode i's turn t draws from its own
-    random stream (seed, i, t), whatever else runs beside it. `slots`: sequences the engine
-    holds at once (default: one per episode)."""
+    random stream (seed, i, t), whatever else runs beside it — or, with `episode_seeds`, the
+    stream (episode_seeds[i], t), so that an episode's draws do not depend on which batch it is
+    sampled in. `slots`: sequences the engine holds at once (default: one per episode)."""
     from mismatch.engines.engine import Engine
     from mismatch.engines.episodes import Session, drive_sessions
     from mismatch.engines.numerics import apply_numerics
@@ -112,6 +114,8 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
     if max_turns < 1 or max_new_tokens < 1 or top_k_candidates < 1:
         raise ValueError(f"max_turns, max_new_tokens and top_k_candidates must be >= 1, got "
                          f"{max_turns}, {max_new_tokens}, {top_k_candidates}")
+    if episode_seeds is not None and len(episode_seeds) != len(tasks):
+        raise ValueError(f"{len(episode_seeds)} episode seeds for {len(tasks)} tasks")
     spec = group.spec
     dtype = next(model.parameters()).dtype
     if dtype != COMPUTE_DTYPES[spec.compute_dtype]:
@@ -144,7 +148,8 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
                     with_routing=bool(routers(model)))
     with apply_numerics(model, spec, scales):
         cut = drive_sessions(engine, sessions, params, room=room, on_turn=on_turn,
-                             seed_of=lambda i, turn: _stream_seed(seed, i, turn))
+                             seed_of=lambda i, turn: _stream_seed(seed, i, turn)
+                             if episode_seeds is None else episode_seeds[i] * _TURN_SEED + turn)
     out = []
     for i, s in enumerate(sessions):
         tr, ep = s.trace, s.episode

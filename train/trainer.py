@@ -675,15 +675,16 @@ def model_at(models: dict, base: torch.nn.Module, dtype: torch.dtype, version: i
 def sample_units(model: torch.nn.Module, tokenizer, cfg: TrainConfig, group: SamplerGroup,
                  units: list[int], version: int) -> list[Trajectory]:
     """The episodes of `units` (samples_per_prompt each, in order) sampled by `group`'s numerics
-    with `model` (weight `version`) as one batch, seeded by the first unit's number."""
+    with `model` (weight `version`) as one batch. Episode j of unit u draws from its own stream,
+    a function of (u, j, seed): the same draws however the units are batched."""
     top = cfg.samples_top_p
-    tasks = [task_of(u, cfg.seed, cfg.task_kinds) for u in units
-             for _ in range(cfg.samples_per_prompt)]
+    n = cfg.samples_per_prompt
+    tasks = [task_of(u, cfg.seed, cfg.task_kinds) for u in units for _ in range(n)]
     return run_episodes(
         model, tokenizer, tasks, group, version=version, max_turns=cfg.max_turns,
         max_new_tokens=cfg.max_new_tokens, top_p=cfg.top_p if top else 1.0,
         top_k=cfg.top_p_max_tokens if top else 0, top_k_candidates=cfg.candidates,
-        seed=_unit_seed(units[0], cfg.seed))
+        episode_seeds=[_unit_seed(u, cfg.seed) * 1_009 + j for u in units for j in range(n)])
 
 
 def sample_in_worker(cfg: TrainConfig, group: SamplerGroup, units: list[int], version: int,
@@ -707,6 +708,19 @@ def split_units(eps: list[Trajectory], batch: list[tuple[int, Any]], group: str,
     """The units of one batched generation (n episodes each, in claim order)."""
     return [Unit(index=u, group=group, version=version, episodes=eps[i * n:(i + 1) * n],
                  seconds=seconds / len(batch)) for i, (u, _) in enumerate(batch)]
+
+
+def _spread(batches: list[list], n: int) -> list[list]:
+    """Split the largest batches in halves (by units) until there are `n` batches or none has two
+    units: every sampler process gets a share of a step (each episode's draws are its own)."""
+    out = [list(b) for b in batches]
+    while len(out) < n:
+        big = max(range(len(out)), key=lambda i: len(out[i]))
+        if len(out[big]) < 2:
+            break
+        half = len(out[big]) // 2
+        out[big:big + 1] = [out[big][:half], out[big][half:]]
+    return out
 
 
 class _Failure:
@@ -736,6 +750,8 @@ class Pipeline:
 
     def start(self) -> None:
         threads = max(self.cfg.workers, self.pool.size if self.pool is not None else 0)
+        # asynchronous claims: a step's units shared among the sampler threads, in batches
+        self._chunk = max(1, self.cfg.prompts_per_step // threads)
         for w in range(threads):
             th = threading.Thread(target=self._work, name=f"sampler-{w}", daemon=True)
             th.start()
@@ -767,6 +783,21 @@ class Pipeline:
                 self.consumed = consumed
             self._cond.notify_all()
 
+    def _claim_some(self, limit: int) -> list[tuple[int, SamplerGroup]]:
+        """Asynchronous modes: the next unit (waiting for the gate), then up to `limit` − 1 more
+        that the gate allows now — sampled together, as a server batches what it holds."""
+        first = self._claim()
+        if first is None:
+            return []
+        claims = [first]
+        with self._cond:
+            while len(claims) < limit and not self._stop.is_set() and self._may_claim():
+                u = self.cursor
+                self.cursor += 1
+                claims.append((u, self.router.assign(u)))
+                self.router.release(u)
+        return claims
+
     def _claim_step(self) -> list[tuple[int, SamplerGroup]]:
         """Lockstep modes: the claimable units of the current step, all at once (one batched
         generation per sampler group, as a server batches the requests it holds)."""
@@ -791,8 +822,7 @@ class Pipeline:
                 if cfg.lockstep:
                     claims = self._claim_step()
                 else:
-                    one = self._claim()
-                    claims = [one] if one is not None else []
+                    claims = self._claim_some(self._chunk)
                 if not claims:
                     return
                 version, weights = self.publisher.latest(cfg.lag)
@@ -811,6 +841,7 @@ class Pipeline:
         sampler processes, spread over them, when the pipeline has a pool)."""
         done: list[Unit] = []
         if self.pool is not None:
+            batches = _spread(batches, self.pool.size)
             calls = [(self.cfg, batch[0][1], [u for u, _ in batch], version, weights)
                      for batch in batches]
             for batch, (eps, dt) in zip(batches, self.pool.map(sample_in_worker, calls)):
