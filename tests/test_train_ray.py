@@ -26,9 +26,11 @@ from train.trainer import (latest_checkpoint, preset_config, read_metrics,  # no
                            run)
 
 # sync on the one-group fleet: step s samples units [sP, (s+1)P) with version s, one batch —
-# the same computation on both backends
-SYNC = dict(fleet="homogeneous", sync=True, tasks="arith", prompts_per_step=2,
-            samples_per_prompt=8, max_new_tokens=40, eval_tasks=0, checkpoint_every=10)
+# the same computation on both backends. Seed 1 with 4 prompts: the first step holds a group
+# with mixed rewards, so its loss is a real policy gradient (asserted below); the embedded
+# policy answers most arith prompts all right or all wrong.
+SYNC = dict(fleet="homogeneous", sync=True, tasks="arith", prompts_per_step=4,
+            samples_per_prompt=8, max_new_tokens=40, eval_tasks=0, checkpoint_every=10, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def test_sync_first_step_matches_the_local_backend(ray_session, local_sync, tmp_
     ref = local_sync[0]
     assert first["backend"] == "ray" and ref["backend"] == "local"
     assert ref["loss"] != 0.0  # rewards differ within the groups: a real policy gradient
-    assert first["units"] == ref["units"] == [0, 1]
+    assert first["units"] == ref["units"] == [0, 1, 2, 3]
     assert first["reward"] == ref["reward"]
     assert first["loss"] == pytest.approx(ref["loss"], rel=1e-6, abs=1e-9)
     assert first["kl"] == pytest.approx(ref["kl"], rel=1e-6)
@@ -119,11 +121,12 @@ def test_killed_sampler_actor_is_restarted_and_nothing_is_lost(ray_session, loca
     assert seen["restarted_pid"] != seen["pid"]
     assert recs[0]["sampler_restarts"] == 0 and recs[0]["requeued_units"] == 0
     assert recs[-1]["sampler_restarts"] == 1
-    assert recs[-1]["requeued_units"] == 2  # step 2's two units, sampled again
+    assert recs[-1]["requeued_units"] == SYNC["prompts_per_step"]  # step 2's units, again
     assert any("died" in m for m in caplog.messages)
-    assert any("re-queued 2 unit(s) (16 episodes)" in m for m in caplog.messages)
+    n = SYNC["prompts_per_step"]
+    assert any(f"re-queued {n} unit(s) ({n * 8} episodes)" in m for m in caplog.messages)
     # every unit consumed exactly once, in order, and sampled again to the same trajectories
-    assert [u for r in recs for u in r["units"]] == list(range(6))
+    assert [u for r in recs for u in r["units"]] == list(range(3 * n))
     for got, ref in zip(recs, local_sync):
         assert got["reward"] == ref["reward"]
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6, abs=1e-9)

@@ -750,8 +750,6 @@ class Pipeline:
 
     def start(self) -> None:
         threads = max(self.cfg.workers, self.pool.size if self.pool is not None else 0)
-        # asynchronous claims: a step's units shared among the sampler threads, in batches
-        self._chunk = max(1, self.cfg.prompts_per_step // threads)
         for w in range(threads):
             th = threading.Thread(target=self._work, name=f"sampler-{w}", daemon=True)
             th.start()
@@ -782,6 +780,13 @@ class Pipeline:
             if consumed is not None:
                 self.consumed = consumed
             self._cond.notify_all()
+
+    @property
+    def _chunk(self) -> int:
+        """Asynchronous claims: a step's units shared among the sampler threads, in batches."""
+        pool = getattr(self, "pool", None)
+        threads = max(self.cfg.workers, pool.size if pool is not None else 0)
+        return max(1, self.cfg.prompts_per_step // threads)
 
     def _claim_some(self, limit: int) -> list[tuple[int, SamplerGroup]]:
         """Asynchronous modes: the next unit (waiting for the gate), then up to `limit` − 1 more
