@@ -73,7 +73,7 @@ def _prompts(tok, n: int) -> list[list[int]]:
 def bare_decode(model, prompts: list[list[int]], steps: int) -> float:
     """Seconds of a bare batched decode loop: prefill (right-padded), then `steps` greedy
     tokens for every row over a static slot cache; nothing recorded."""
-    from mismatch.engines.engine import SlotCache
+    from mismatch.engines.kv_cache import SlotCache
 
     cfg = model.config
     b = len(prompts)

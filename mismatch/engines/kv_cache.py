@@ -1,0 +1,76 @@
+"""The rollout engine's KV cache: per-layer slot tensors written in place (engine.py uses it).
+
+Per layer one [slots, kv_heads, capacity, head_dim] key and value tensor in the compute dtype.
+Before each forward the engine plans which slots the batch's rows are, where their new positions
+start and how many there are; `update` (transformers' Cache hook, called by every attention
+layer) writes the new keys/values at those positions and hands attention the first `tk`
+positions of the batch's slots. No per-step concatenation; `grow` reallocates (one copy) when a
+longer context is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+__all__ = ["SlotCache"]
+
+
+class SlotCache(Cache):
+    """Per-layer [slots, kv_heads, capacity, head_dim] keys and values, written in place.
+
+    Before each forward the engine calls `plan` with the batch's slots, their start positions and
+    new-token counts; `update` then writes each row's new keys/values at its positions and
+    returns the first `tk` positions of the batch's slots for attention."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(layers=[])
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self._plan: tuple | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to `capacity` positions, keeping what is cached."""
+        old = self.capacity
+        if capacity <= old:
+            return
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                bigger = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
+                bigger[:, :, :old] = t
+                store[i] = bigger
+
+    def plan(self, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+             width: int, tk: int) -> None:
+        """rows [B] slots, starts [B] first new position, counts [B] new tokens (≤ width, the
+        padded query length); attention will read positions [0, tk) of each row's slot."""
+        j = torch.arange(width, device=rows.device)
+        valid = j[None, :] < counts[:, None]  # [B, width]
+        b_idx, j_idx = valid.nonzero(as_tuple=True)
+        n = rows.shape[0]
+        lo = int(rows[0])
+        contiguous = bool((rows == torch.arange(lo, lo + n, device=rows.device)).all())
+        self._plan = (rows, b_idx, j_idx, rows[b_idx], starts[b_idx] + j_idx, tk,
+                      (lo, lo + n) if contiguous else None)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, b_idx, j_idx, slot_idx, pos_idx, tk, span = self._plan
+        out = []
+        for store, new in ((self.keys, key_states), (self.values, value_states)):
+            cache = store[layer_idx]
+            cache[slot_idx, :, pos_idx] = new.transpose(1, 2)[b_idx, j_idx].to(cache.dtype)
+            if span is not None:  # one contiguous copy: attention kernels stream it many times
+                out.append(cache[span[0]:span[1], :, :tk].contiguous())
+            else:
+                out.append(cache[:, :, :tk].index_select(0, rows))
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self._plan is None else self._plan[5]
