@@ -51,6 +51,11 @@ def train_command(
                                                    help="Checkpoint every N steps (10)."),
     eval_tasks: Optional[int] = typer.Option(None, "--eval-tasks", help="Held-out tasks "
                                              "evaluated before and after (64; smoke 0)."),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Also evaluate the "
+                                             "held-out tasks every N steps (0: no)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Start from this policy (a "
+                                         "`mismatch zoo build --out` directory; default: the "
+                                         "embedded model)."),
     stop_on: Optional[str] = typer.Option(None, "--stop-on", help="End the run, with a "
                                           "checkpoint, on an alert: warning | critical."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Task mix: zoo, or kinds in turn "
@@ -86,8 +91,13 @@ def train_command(
                             sync=sync or None, workers=workers,
                             sampler_processes=_sampler_processes(sampler_processes, backend),
                             threads=threads, checkpoint_every=checkpoint_every,
-                            eval_tasks=eval_tasks, tasks=tasks, seed=seed)
+                            eval_tasks=eval_tasks, eval_every=eval_every, tasks=tasks,
+                            seed=seed, model=str(model) if model else None)
         check_out(out, resume, cfg)
+        if cfg.model:
+            from mismatch.zoo.loading import check_model_dir
+
+            check_model_dir(cfg.model)
         if stop_on not in (None, "warning", "critical"):
             raise ValueError(f"--stop-on must be warning or critical, got {stop_on!r}")
         if backend not in ("local", "ray"):
@@ -124,7 +134,8 @@ def train_command(
     ev = result.evaluation
     lines = [f"{out}: {result.steps_done} steps ({cfg.correction} on {cfg.fleet})"]
     if "base" in ev and "final" in ev:
-        lines.append(f"held-out reward: base {ev['base']['reward']:.3f} -> final "
+        during = "".join(f" -> step {k} {v['reward']:.3f}" for k, v in ev.get("during", {}).items())
+        lines.append(f"held-out reward: base {ev['base']['reward']:.3f}{during} -> final "
                      f"{ev['final']['reward']:.3f} ({ev['tasks']} tasks x {ev['samples']})")
     if result.alerts:
         lines.append(f"alerts: {len(result.alerts)} (see {Path(out) / 'alerts.jsonl'})")
@@ -202,8 +213,10 @@ def study_command(
                              "`mismatch train` run per cell, and study.json."),
     report: Optional[Path] = typer.Option(None, "--report", help="Markdown report; plots go "
                                           "beside it (default: OUT/study.md)."),
-    preset: str = typer.Option("full", "--preset", help="full (3 fleets x 6 arms x 3 seeds) | "
-                               "ci (two short runs on L2: grpo and sc+mis)."),
+    preset: str = typer.Option("full", "--preset", help="full (L0, L2 x 5 arms x 3 seeds, "
+                               "staleness 8, 150 steps of 16 x 8, lr 1e-4, sync controls) | "
+                               "edge (the first grid: 3 fleets x 6 arms, 32 steps of 4 x 8, "
+                               "lr 3e-4) | ci (three short runs on L2)."),
     fleets: Optional[str] = typer.Option(None, "--fleets", help="Comma-separated: L0 "
                                          "(homogeneous), L1 (precision), L2 (mixed)."),
     arms: Optional[str] = typer.Option(None, "--arms", help="Comma-separated among grpo, mis, "
@@ -216,6 +229,14 @@ def study_command(
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Task kinds (arith)."),
     prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts per step."),
     samples: Optional[int] = typer.Option(None, "--samples", help="Episodes per prompt."),
+    sync_arms: Optional[str] = typer.Option(None, "--sync-arms", help="Comma-separated arms "
+                                            "also run on-policy (--sync) as controls, on L0 "
+                                            "(empty: none)."),
+    policy_steps: Optional[int] = typer.Option(None, "--policy-steps", help="Start from a zoo "
+                                               "policy trained N steps (built once into "
+                                               "OUT/policy-N; 0: the embedded model)."),
+    eval_tasks: Optional[int] = typer.Option(None, "--eval-tasks", help="Held-out tasks "
+                                             "evaluated before, midway and after each run."),
     jobs: int = typer.Option(max(1, (os.cpu_count() or 1)), "--jobs", help="Runs at once "
                              "(one torch thread each; default: the CPU count)."),
     notes: Optional[Path] = typer.Option(None, "--notes", help="A markdown file appended to "
@@ -231,7 +252,8 @@ def study_command(
     quiet_libraries()
     from dataclasses import replace
 
-    from train.study import STUDY_PRESETS, StudyConfig, aggregate, run_grid
+    from train.study import STUDY_PRESETS, StudyConfig, run_grid
+    from train.study_report import aggregate
 
     grid_command = ""
     try:
@@ -246,6 +268,8 @@ def study_command(
         over = {"fleets": fleets and _csv(fleets), "arms": arms and _csv(arms),
                 "seeds": seeds and _csv(seeds, int),
                 "staleness": staleness and _csv(staleness, int),
+                "sync_arms": None if sync_arms is None else _csv(sync_arms),
+                "policy_steps": policy_steps, "eval_tasks": eval_tasks,
                 "steps": steps, "lr": lr, "tasks": tasks, "prompts": prompts, "samples": samples}
         cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
         if report_only:

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from train.study import STUDY_PRESETS, StudyConfig, cells, run_state, summarize_run
+from train.study import STUDY_PRESETS, StudyConfig, cells, run_state
+from train.study_report import summarize_run
 from train.trainer import latest_checkpoint, read_metrics
 
 CLI = [sys.executable, "-m", "mismatch.cli"]
@@ -39,9 +40,9 @@ def test_ci_grid_runs_each_cell_as_a_process_and_writes_the_report(ci_study):
     assert proc.returncode == 0, proc.stderr
     cfg = StudyConfig(**STUDY_PRESETS["ci"])
     names = [c.name for c in cells(cfg)]
-    assert names == ["L2-k2-grpo-s0", "L2-k2-sc_mis-s0"]
-    assert "2 run(s) finished, 0 already done" in proc.stdout
-    for name in names:
+    assert names == ["L2-k2-grpo-s0", "L2-k2-sc_mis-s0", "L2-sync-grpo-s0"]
+    assert "3 run(s) finished, 0 already done" in proc.stdout
+    for name in names[:2]:
         run = out / name
         recs = read_metrics(run / "metrics.jsonl")
         assert [r["step"] for r in recs] == list(range(1, cfg.steps + 1))
@@ -51,6 +52,14 @@ def test_ci_grid_runs_each_cell_as_a_process_and_writes_the_report(ci_study):
         # forced staleness: step s trained on version max(0, s - 1 - K)'s episodes
         assert [r["staleness_mean"] for r in recs] == [0.0, 1.0, 2.0]
         assert run_state(run, cfg.steps) == "done"
+    control = json.loads((out / "L2-sync-grpo-s0" / "config.json").read_text())
+    assert control["sync"] is True and control["staleness"] is None
+    assert [r["staleness_mean"] for r in read_metrics(out / "L2-sync-grpo-s0" / "metrics.jsonl")
+            ] == [0.0, 0.0, 0.0]
+    # held-out reward before, midway (step 2 of 3) and after, on 2 tasks × 4 episodes
+    ev = json.loads((out / "L2-k2-grpo-s0" / "eval.json").read_text())
+    assert (ev["tasks"], ev["samples"], list(ev["during"])) == (2, 4, ["2"])
+    assert ev["final"]["step"] == 3 and ev["base"]["episodes"] == 8
     assert json.loads((out / "L2-k2-grpo-s0" / "config.json").read_text())["correction"] == "grpo"
     assert json.loads((out / "L2-k2-sc_mis-s0" / "config.json").read_text())["correction"] \
         == "sc+mis"
@@ -61,7 +70,11 @@ def test_ci_grid_runs_each_cell_as_a_process_and_writes_the_report(ci_study):
     for fig in ("study-reward.png", "study-kl.png", "study-format.png"):
         assert (report.parent / fig).stat().st_size > 1000
         assert f"]({fig})" in text
-    assert "L2 0/1" in text or "L2 1/1" in text  # the collapse question is answered
+    assert "L2 0/1 [0.00, 0.97]" in text or "L2 1/1 [0.03, 1.00]" in text  # with its interval
+    assert "| L2 | sync | grpo | 1 |" in text  # the on-policy control
+    ev = json.loads((out / "L2-sync-grpo-s0" / "eval.json").read_text())
+    assert (f"- L2 grpo: base {ev['base']['reward']:.2f} → mid {ev['during']['2']['reward']:.2f}"
+            f" → final {ev['final']['reward']:.2f}.") in text
     assert "KL per sampler group of L2 at step 1" in text
 
 
@@ -84,7 +97,7 @@ def test_finished_runs_are_never_rerun(ci_study):
     proc = _cli(["study", "--preset", "ci", "--out", str(out), "--report", str(report),
                  "--quiet"])
     assert proc.returncode == 0, proc.stderr
-    assert "0 run(s) finished, 2 already done" in proc.stdout
+    assert "0 run(s) finished, 3 already done" in proc.stdout
     assert {p: p.stat().st_mtime_ns for p in logs} == logs
 
 
@@ -100,8 +113,8 @@ def test_report_only_rebuilds_from_the_saved_grid(ci_study, tmp_path):
 
 def test_a_killed_study_resumes_its_runs(tmp_path):
     out = tmp_path / "grid"
-    args = ["study", "--preset", "ci", "--arms", "grpo", "--steps", "6", "--out", str(out),
-            "--quiet"]
+    args = ["study", "--preset", "ci", "--arms", "grpo", "--sync-arms", "", "--eval-tasks", "0",
+            "--steps", "6", "--out", str(out), "--quiet"]
     proc = subprocess.Popen(CLI + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run = out / "L2-k2-grpo-s0"
     deadline = time.time() + 300

@@ -222,6 +222,10 @@ def test_bad_input_exits_2_in_one_line(tmp_path, async_run):
          "no checkpoint"),
         (["train", "--preset", "smoke", "--lr", "-1", "--out", str(tmp_path / "x")], "lr"),
         (["report", str(tmp_path / "missing")], "no metrics.jsonl"),
+        (["train", "--preset", "smoke", "--model", str(tmp_path / "nomodel"), "--out",
+          str(tmp_path / "x")], "nomodel does not exist"),
+        (["train", "--preset", "smoke", "--eval-every", "-1", "--out", str(tmp_path / "x")],
+         "eval-every must be >= 0"),
     ]
     for args, match in cases:
         proc = _cli(args)
@@ -256,6 +260,8 @@ def test_config_checks():
         TrainConfig(staleness=2, sync=True)
     with pytest.raises(ValueError, match="unknown task kind 'chess'"):
         TrainConfig(tasks="arith,chess")
+    with pytest.raises(ValueError, match="eval-every"):
+        TrainConfig(eval_every=-2)
 
 
 def test_task_mix_takes_kinds_in_turn():

@@ -293,7 +293,7 @@ def _load(cfg: TrainConfig):
     from mismatch.zoo import load_model, load_tokenizer
 
     torch.set_num_threads(cfg.threads)
-    return load_model(dtype="bfloat16"), load_tokenizer()
+    return load_model(cfg.model, dtype="bfloat16"), load_tokenizer(cfg.model)
 
 
 class _Process:

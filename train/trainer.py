@@ -35,7 +35,8 @@ Run directory (`out`):
 - `checkpoints/step-NNNNNN/`: FP32 master, AdamW state, the unit cursor and the config, written
   to a temporary sibling and renamed; the newest two are kept.
 - `config.json`; `eval.json`, the held-out reward before the first and after the last step
-  (`eval_tasks` > 0); `final/`, the BF16 policy with its tokenizer, when the run ends.
+  (`eval_tasks` > 0), and every `eval_every` steps between; `final/`, the BF16 policy with its
+  tokenizer, when the run ends.
 
 Resume after a kill: the newest checkpoint is loaded; `metrics.jsonl` and `alerts.jsonl` are cut
 back to its step (a torn last line dropped), the monitor replays the kept records to rebuild its
@@ -137,6 +138,11 @@ class TrainConfig:
     """Held-out tasks evaluated before the first and after the last step (0: no evaluation)."""
     eval_samples: int = 4
     """Episodes per held-out task in that evaluation (temperature 1, the trainer's numerics)."""
+    eval_every: int = 0
+    """Also evaluate after every this many steps (0: only before the first and after the last)."""
+    model: str | None = None
+    """The policy to start from: a model directory of the zoo's format (`mismatch zoo build
+    --out DIR`; None: the embedded model)."""
 
     def __post_init__(self) -> None:
         if self.fleet not in FLEET_PRESETS:
@@ -151,9 +157,9 @@ class TrainConfig:
             if unknown or not self.tasks:
                 raise ValueError(f"unknown task kind {unknown[0] if unknown else ''!r} in "
                                  f"--tasks; use zoo or kinds among {', '.join(TASK_KINDS)}")
-        if self.eval_tasks < 0 or self.eval_samples < 1:
-            raise ValueError(f"eval-tasks must be >= 0 and eval-samples >= 1, got "
-                             f"{self.eval_tasks}, {self.eval_samples}")
+        if self.eval_tasks < 0 or self.eval_samples < 1 or self.eval_every < 0:
+            raise ValueError(f"eval-tasks and eval-every must be >= 0 and eval-samples >= 1, "
+                             f"got {self.eval_tasks}, {self.eval_every}, {self.eval_samples}")
         if self.sampler_processes < 0:
             raise ValueError(f"sampler-processes must be >= 0, got {self.sampler_processes}")
         for name in ("steps", "prompts_per_step", "max_turns", "max_new_tokens", "candidates",
@@ -204,7 +210,7 @@ class TrainConfig:
 
     # fields a resume may change without changing what the run computes
     RESUMABLE = ("steps", "checkpoint_every", "threads", "workers", "eval_tasks",
-                 "eval_samples", "sampler_processes")
+                 "eval_samples", "eval_every", "sampler_processes")
 
 
 RUN_PRESETS: dict[str, dict[str, Any]] = {
@@ -1002,7 +1008,8 @@ class RunResult:
     discarded_units: int = 0
     alerts: list = field(default_factory=list)
     evaluation: dict[str, Any] = field(default_factory=dict)
-    """{"base": …, "final": …} mean reward on the held-out tasks (when eval_tasks > 0)."""
+    """{"base": …, "during": {"<step>": …}, "final": …} mean reward on the held-out tasks (when
+    eval_tasks > 0; "during" with eval_every > 0)."""
 
 
 def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
@@ -1019,14 +1026,14 @@ def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
              for i, seed in enumerate(task_seeds("heldout", cfg.eval_tasks))]
     group = fleet("homogeneous")[0]
     model = model.to(torch.bfloat16).eval()
-    eps: list[Trajectory] = []
-    with torch.no_grad():
-        for i, task in enumerate(tasks):
-            eps += run_episodes(model, tokenizer, [task] * cfg.eval_samples, group, version=-1,
-                                max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
-                                top_p=cfg.top_p if top else 1.0,
-                                top_k=cfg.top_p_max_tokens if top else 0,
-                                top_k_candidates=1, seed=_unit_seed(i, cfg.seed + 1))
+    n = cfg.eval_samples
+    with torch.no_grad():  # all episodes in one engine run; each on its own (task, sample) stream
+        eps = run_episodes(model, tokenizer, [t for t in tasks for _ in range(n)], group,
+                           version=-1, max_turns=cfg.max_turns,
+                           max_new_tokens=cfg.max_new_tokens, top_p=cfg.top_p if top else 1.0,
+                           top_k=cfg.top_p_max_tokens if top else 0, top_k_candidates=1,
+                           episode_seeds=[_unit_seed(i, cfg.seed + 1) * 1_009 + j
+                                          for i in range(len(tasks)) for j in range(n)])
     ends = Counter(ep.end_reason for ep in eps)
     return {"reward": sum(ep.reward for ep in eps) / len(eps), "episodes": len(eps),
             "sampling": f"top-p {cfg.top_p}, top-k {cfg.top_p_max_tokens}" if top else "full",
@@ -1084,8 +1091,8 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
         if model is None or tokenizer is None:
             from mismatch.zoo import load_model, load_tokenizer
 
-            model = model or load_model(dtype="bfloat16")
-            tokenizer = tokenizer or load_tokenizer()
+            model = model or load_model(cfg.model, dtype="bfloat16")
+            tokenizer = tokenizer or load_tokenizer(cfg.model)
         out.mkdir(parents=True, exist_ok=True)
         return _run(cfg, out, ckpt, backend, stop_on=stop_on, model=model, tokenizer=tokenizer,
                     progress=progress, log_alerts=log_alerts, monitor_config=monitor_config)
@@ -1186,6 +1193,12 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
                     progress(rec)
                 stop_now = stop_on is not None and any(
                     a.severity == "critical" or stop_on == "warning" for a in alerts)
+                if (cfg.eval_tasks and cfg.eval_every and step % cfg.eval_every == 0
+                        and step < cfg.steps and str(step) not in evaluation.get("during", {})):
+                    log.info("evaluating the policy at step %d", step)
+                    evaluation.setdefault("during", {})[str(step)] = dict(
+                        evaluate(trainer.policy(), tokenizer, cfg), step=step)
+                    _write_atomic(eval_path, json.dumps(evaluation, indent=2) + "\n")
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop_now:
                     trainer.save(out, step, consumed_max + 1, publisher.older())
                     last_ckpt = step

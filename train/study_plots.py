@@ -1,0 +1,66 @@
+"""The study's curves: reward, KL and format-error endings over steps, one panel per fleet and
+staleness (and one per fleet of on-policy controls), mean over seeds with the min–max band."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .study import FLEETS, Cell, StudyConfig
+from .study_report import _WINDOW, _panels, _trailing, cell_runs
+
+__all__ = ["plot_study"]
+
+_COLORS = {"grpo": "tab:red", "mis": "tab:orange", "sc": "tab:purple", "sc+mis": "tab:blue",
+           "grpo+topp": "tab:brown", "sc+mis+topp": "tab:green"}
+
+
+def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str) -> list[str]:
+    """Write `<stem>-reward.png`, `-kl.png` and `-format.png` into `folder` (each renamed into
+    place only when whole); returns their names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mismatch.report import save_figure
+
+    panels = _panels(cfg)
+    names = []
+    files = {"accuracy": "reward", "kl": "kl", "format_error_rate": "format"}
+    for key, title, log in (("accuracy", f"training reward ({_WINDOW}-step moving average)",
+                             False),
+                            ("kl", "sampler–trainer KL (k3, per token)", True),
+                            ("format_error_rate", "episodes ending on format errors", False)):
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6),
+                                 squeeze=False, sharey=True)
+        for ax, (fleet, k, arms) in zip(axes[0], panels):
+            for arm in arms:
+                rs = cell_runs(runs, fleet, k, arm)
+                if not rs:
+                    continue
+                n = min(len(r["steps"]) for r in rs)
+                steps = rs[0]["steps"][:n]
+                series = [r[key][:n] if key != "format_error_rate"
+                          else _trailing(r[key])[:n] for r in rs]
+                mean = [sum(v) / len(v) for v in zip(*series)]
+                lo = [min(v) for v in zip(*series)]
+                hi = [max(v) for v in zip(*series)]
+                ax.plot(steps, mean, color=_COLORS.get(arm), lw=1.6, label=arm)
+                ax.fill_between(steps, lo, hi, color=_COLORS.get(arm), alpha=0.12, lw=0)
+            lag = "on-policy (sync)" if k is None else f"staleness {k}"
+            ax.set_title(f"{fleet} ({FLEETS[fleet]}), {lag}", fontsize=9)
+            ax.set_xlabel("optimizer step")
+            if log:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="best")
+        axes[0][0].set_ylabel(title, fontsize=9)
+        fig.suptitle(f"{title}: mean over seeds, band = min–max (emulated samplers)",
+                     fontsize=10)
+        final = folder / f"{stem}-{files[key]}.png"
+        tmp = folder / f".{final.stem}.tmp-{os.getpid()}.png"
+        save_figure(fig, tmp)
+        os.replace(tmp, final)
+        names.append(final.name)
+    return names

@@ -1,0 +1,391 @@
+"""The study's report: each run summarized from its logs, the study's claims answered with
+intervals, curves, the per-cell table and the monitor's lead times (`aggregate`).
+
+Definitions (every figure in the report uses them):
+
+- accuracy: reward of the training batches (1 for a correct submit), a 5-step trailing mean;
+- collapsed: that mean fell to half the mean of the first 3 steps, or below (`halved_step`);
+- held-out reward: `mismatch train --eval-tasks` on tasks never trained on, at temperature 1
+  under the trainer's numerics, before the first step, midway and after the last;
+- KL growth: the highest 5-step KL mean over the median KL of the first 5 steps;
+- intervals: 95% t-intervals over seeds for means, Clopper–Pearson for shares of runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .study import ARMS, FLEETS, Cell, StudyConfig, cells
+
+__all__ = ["aggregate", "summarize_run"]
+
+_WINDOW = 5
+"""Steps of the trailing moving average that accuracy, halving and the end values use."""
+STUDY_KL_RATIO = 4.7
+"""The reference study's L2/L0 sampler–trainer KL ratio (reference/: mixed vs homogeneous)."""
+
+
+def _trailing(xs: list[float], w: int = _WINDOW) -> list[float]:
+    out = []
+    for i in range(len(xs)):
+        part = [x for x in xs[max(0, i - w + 1):i + 1] if x is not None and math.isfinite(x)]
+        out.append(sum(part) / len(part) if part else float("nan"))
+    return out
+
+
+def _ci95(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval (nan with fewer than two values)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    mean = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, float("nan")
+    from scipy import stats
+
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+    return mean, float(stats.t.ppf(0.975, len(vals) - 1)) * sd / math.sqrt(len(vals))
+
+
+def _share(k: int, n: int) -> str:
+    """`k/n` with its 95% Clopper–Pearson interval."""
+    from scipy import stats
+
+    lo = 0.0 if k == 0 else float(stats.beta.ppf(0.025, k, n - k + 1))
+    hi = 1.0 if k == n else float(stats.beta.ppf(0.975, k + 1, n - k))
+    return f"{k}/{n} [{lo:.2f}, {hi:.2f}]"
+
+
+def _heldout(run: Path) -> dict[str, float]:
+    """{"base", "mid", "final"} held-out reward of a run's eval.json (those it holds)."""
+    path = run / "eval.json"
+    if not path.exists():
+        return {}
+    ev = json.loads(path.read_text())
+    out = {k: ev[k]["reward"] for k in ("base", "final") if k in ev}
+    during = ev.get("during") or {}
+    if during:
+        out["mid"] = during[min(during, key=int)]["reward"]
+    return out
+
+
+def summarize_run(run: Path) -> dict[str, Any] | None:
+    """One run's curves and the figures the study compares (None if it logged nothing)."""
+    from .trainer import read_metrics
+
+    recs = read_metrics(run / "metrics.jsonl")
+    if not recs:
+        return None
+    alerts = read_metrics(run / "alerts.jsonl")
+    reward = [r["reward"] for r in recs]
+    kl = [r["kl"] for r in recs]
+    fmt = [r["format_error_rate"] for r in recs]
+    acc = _trailing(reward)
+    base = sum(reward[:3]) / len(reward[:3])
+    halved = next((recs[i]["step"] for i, a in enumerate(acc)
+                   if i >= _WINDOW - 1 and a <= 0.5 * base), None)
+    critical = [a for a in alerts if a.get("severity") == "critical"]
+    first_critical = min((a["step"] for a in critical), default=None)
+    early_kl = sorted(kl[:_WINDOW])[len(kl[:_WINDOW]) // 2]
+    end = slice(-_WINDOW, None)
+    kl_max = max(_trailing(kl))
+    # the collapse signature, judged up to 5 steps after the halving (or over the run)
+    upto = len(recs) if halved is None else min(len(recs), halved + _WINDOW)
+    return {
+        "steps": [r["step"] for r in recs], "reward": reward, "kl": kl,
+        "format_error_rate": fmt, "accuracy": acc,
+        "base": base, "final": sum(reward[end]) / len(reward[end]),
+        "peak": max(a for a in acc[_WINDOW - 1:] or acc),
+        "kl_first": kl[0], "kl_early": early_kl, "kl_end": sum(kl[end]) / len(kl[end]),
+        "kl_max": kl_max,
+        "kl_growth": (kl_max / early_kl) if early_kl > 0 else float("nan"),
+        "kl_growth_at_collapse": (max(_trailing(kl)[:upto]) / early_kl) if early_kl > 0
+        else float("nan"),
+        "format_end": sum(fmt[end]) / len(fmt[end]), "format_max": max(_trailing(fmt)),
+        "format_at_collapse": max(_trailing(fmt)[:upto]),
+        "format_early": sum(fmt[:_WINDOW]) / len(fmt[:_WINDOW]),
+        "halved_step": halved, "first_critical": first_critical,
+        "critical_alerts": len(critical), "alert_signals": sorted({a["signal"] for a in critical}),
+        "group_kl_first": recs[0].get("group_kl", {}),
+        "mis_masked_end": sum(r.get("mis_masked_fraction", 0.0) for r in recs[end]) / len(
+            recs[end]),
+        "heldout": _heldout(run),
+    }
+
+
+def _fmt_ci(mean: float, half: float, digits: int = 2) -> str:
+    if not math.isfinite(mean):
+        return "–"
+    return f"{mean:.{digits}f} ± {half:.{digits}f}" if math.isfinite(half) else f"{mean:.{digits}f}"
+
+
+def _steps_list(values: list[int | None]) -> str:
+    return ", ".join("–" if v is None else str(v) for v in values)
+
+
+def aggregate(cfg: StudyConfig, out: Path, report: Path, *, command: str = "",
+              elapsed: float | None = None, notes: str | None = None) -> Path:
+    """Write `report` (markdown) and its plots (`<stem>-reward.png`, `-kl.png`, `-format.png`)
+    beside it, atomically. Cells without a run are listed as missing."""
+    out, report = Path(out), Path(report)
+    runs: dict[Cell, dict[str, Any]] = {}
+    for cell in cells(cfg):
+        s = summarize_run(out / cell.name)
+        if s is not None:
+            runs[cell] = s
+    if not runs:
+        raise ValueError(f"{out} holds no study run with a logged step; run `mismatch study` "
+                         "first")
+    report.parent.mkdir(parents=True, exist_ok=True)
+    from .study_plots import plot_study
+
+    figures = plot_study(cfg, runs, report.parent, report.stem)
+    text = _markdown(cfg, runs, figures, command=command, elapsed=elapsed)
+    if notes:
+        text += "\n" + notes.strip() + "\n"
+    tmp = report.with_name(f".{report.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, report)
+    return report
+
+
+def cell_runs(runs: dict[Cell, dict], fleet: str, k: int | None, arm: str) -> list[dict]:
+    """The runs of one (fleet, staleness, arm) cell, by seed (k None: the on-policy control)."""
+    return [runs[c] for c in sorted(runs, key=lambda c: c.seed)
+            if (c.fleet, c.staleness, c.arm) == (fleet, k, arm)]
+
+
+def _lag(k: int | None) -> str:
+    return "sync" if k is None else str(k)
+
+
+def _panels(cfg: StudyConfig) -> list[tuple[str, int | None, tuple[str, ...]]]:
+    """(fleet, staleness, arms) of every group of cells, the controls last."""
+    return ([(f, k, cfg.arms) for f in cfg.fleets for k in cfg.staleness]
+            + [(f, None, cfg.sync_arms) for f in cfg.sync_fleets if cfg.sync_arms])
+
+
+def _halving(rs: list[dict], steps: int) -> str:
+    """Halving steps, and their mean ± interval counting a run that never halved at `steps`."""
+    at = [r["halved_step"] for r in rs]
+    if all(x is None for x in at):
+        return f"never (all {len(at)} ran {steps} steps)"
+    censored = _ci95([steps if x is None else x for x in at])
+    return f"at step {_steps_list(at)} (mean {_fmt_ci(*censored, digits=0)}, never = {steps})"
+
+
+def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
+    """The study's claims, each answered from the runs (numbers and intervals, not adjectives)."""
+    lines: list[str] = []
+    if cfg.sync_arms:
+        lines.append("On-policy controls (`--sync`, no staleness): does training raise the "
+                     "held-out reward?")
+        for f in cfg.sync_fleets:
+            for arm in cfg.sync_arms:
+                rs = cell_runs(runs, f, None, arm)
+                if rs:
+                    lines.append(f"- {f} {arm}: {_heldout_line(rs)}.")
+        lines.append("")
+    for k in cfg.staleness:
+        lines.append(f"Forced staleness {k}:")
+        verdict = {}
+        for arm in cfg.arms:
+            for f in cfg.fleets:
+                rs = cell_runs(runs, f, k, arm)
+                if rs:
+                    n = sum(r["halved_step"] is not None for r in rs)
+                    verdict[f, arm] = (n, len(rs), rs)
+        if any(a == "grpo" for _, a in verdict):
+            parts = [f"{f} {_share(n, t)}, {_halving(rs, cfg.steps)}"
+                     for (f, a), (n, t, rs) in verdict.items() if a == "grpo"]
+            lines.append("- Does uncorrected GRPO collapse? Runs collapsed: " + "; ".join(parts)
+                         + ".")
+            if ("L0", "grpo") in verdict and ("L2", "grpo") in verdict:
+                h = {f: [cfg.steps if r["halved_step"] is None else r["halved_step"]
+                         for r in verdict[f, "grpo"][2]] for f in ("L0", "L2")}
+                lines.append(f"- Earlier on the mixed fleet? Median halving step (never = "
+                             f"{cfg.steps}): L2 {statistics.median(h['L2']):g} vs L0 "
+                             f"{statistics.median(h['L0']):g}.")
+        for arm in cfg.arms:
+            if arm == "grpo":
+                continue
+            single = arm in ("mis", "sc", "grpo+topp")
+            parts = []
+            for f in cfg.fleets:
+                if (f, arm) not in verdict:
+                    continue
+                n, t, rs = verdict[f, arm]
+                parts.append(f"{f}: collapsed {_share(n, t)}, {_halving(rs, cfg.steps)}; "
+                             f"final training reward {_fmt_ci(*_ci95([r['final'] for r in rs]))}"
+                             f"; held-out {_heldout_line(rs)}")
+            ask = ("alone: collapse delayed rather than avoided?" if single
+                   else "stable to the end?")
+            lines.append(f"- {arm} {ask} " + " — ".join(parts) + ".")
+        collapsed = [r for c, r in runs.items() if c.staleness == k
+                     and r["halved_step"] is not None]
+        if collapsed:
+            kl3 = sum(r["kl_growth_at_collapse"] >= 3 for r in collapsed)
+            fmt = sum(r["format_at_collapse"] >= max(0.5, 3 * r["format_early"])
+                      for r in collapsed)
+            lines.append(
+                f"- The collapse signature, over the {len(collapsed)} collapsed runs (judged up "
+                f"to {_WINDOW} steps after the halving): reward halved in all (by definition); "
+                f"KL ≥ 3× its first steps in {_share(kl3, len(collapsed))}; most episodes "
+                f"(≥ 50% and ≥ 3× the first steps, {_WINDOW}-step mean) ending on format errors "
+                f"in {_share(fmt, len(collapsed))}.")
+        lines.append("")
+    lines += _kl_ratio(cfg, runs)
+    return lines
+
+
+def _heldout_line(rs: list[dict]) -> str:
+    """Held-out reward base → mid → final over a cell's runs (mean ± 95% interval)."""
+    parts = []
+    for key in ("base", "mid", "final"):
+        vals = [r["heldout"][key] for r in rs if key in r["heldout"]]
+        if vals:
+            parts.append(f"{key} {_fmt_ci(*_ci95(vals))}")
+    return " → ".join(parts) if parts else "not evaluated"
+
+
+def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
+    """L2/L0 sampler–trainer KL at step 1 (same weights: the numerics alone), per sampling mode
+    (top-p arms never sample the tail, where most of the mismatch lives)."""
+    if not {"L0", "L2"} <= set(cfg.fleets):
+        return []
+    lines = []
+    for mode, pick in (("full-distribution arms", lambda a: not ARMS[a].endswith("topp")),
+                       ("top-p arms", lambda a: ARMS[a].endswith("topp"))):
+        first = {f: [r["kl_first"] for c, r in runs.items() if c.fleet == f and pick(c.arm)]
+                 for f in ("L0", "L2")}
+        if not (first["L0"] and first["L2"]):
+            continue
+        logs = {f: [math.log(v) for v in first[f] if v > 0] for f in first}
+        m0, h0 = _ci95(logs["L0"])
+        m2, h2 = _ci95(logs["L2"])
+        half = math.sqrt((h0 if math.isfinite(h0) else 0) ** 2
+                         + (h2 if math.isfinite(h2) else 0) ** 2)
+        ratio = math.exp(m2 - m0)
+        lines.append(f"- L2/L0 sampler–trainer KL at step 1, {mode}: "
+                     f"{math.exp(m2):.2e} / {math.exp(m0):.2e} = {ratio:.1f}× "
+                     f"(95% interval {math.exp(m2 - m0 - half):.1f}–"
+                     f"{math.exp(m2 - m0 + half):.1f}× over {len(logs['L2'])} and "
+                     f"{len(logs['L0'])} runs; the study: {STUDY_KL_RATIO}×).")
+    return lines
+
+
+def _cell_table(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
+    out = ["| fleet | K | arm | runs | train reward first 3 | final | collapsed | halved at | "
+           "held-out base → mid → final | KL step 1 | KL growth | format errors (end / max) | "
+           "MIS-masked (end) | first critical alert |", "|" + "---|" * 14]
+    for f, k, arms in _panels(cfg):
+        for arm in arms:
+            rs = cell_runs(runs, f, k, arm)
+            if not rs:
+                continue
+            col = sum(r["halved_step"] is not None for r in rs)
+            mean = lambda key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+            out.append(
+                f"| {f} | {_lag(k)} | {arm} | {len(rs)} | {mean('base'):.2f} | "
+                f"{_fmt_ci(*_ci95([r['final'] for r in rs]))} | {col}/{len(rs)} | "
+                f"{_steps_list([r['halved_step'] for r in rs])} | {_heldout_line(rs)} | "
+                f"{mean('kl_first'):.1e} | {mean('kl_growth'):.1f}× | "
+                f"{mean('format_end'):.2f} / {mean('format_max'):.2f} | "
+                f"{mean('mis_masked_end'):.3f} | "
+                f"{_steps_list([r['first_critical'] for r in rs])} |")
+    return out
+
+
+def _monitor(runs: dict[Cell, dict]) -> list[str]:
+    out = ["Lead time = the step at which the reward halved − the step of the monitor's first "
+           "critical alert (positive: the alert came first). The monitor ran live inside every "
+           "run with its default rules (probes.monitor.MonitorConfig: baseline over steps 4–13, "
+           "judged from step 14).", ""]
+    collapsed = [(c, r) for c, r in runs.items() if r["halved_step"] is not None]
+    stable = [(c, r) for c, r in runs.items() if r["halved_step"] is None]
+    if collapsed:
+        out += ["| run | reward halved at | first critical alert | lead (steps) | signals |",
+                "|---|---|---|---|---|"]
+        for c, r in sorted(collapsed, key=lambda x: x[0].name):
+            a = r["first_critical"]
+            lead = "no alert" if a is None else str(r["halved_step"] - a)
+            out.append(f"| {c.name} | {r['halved_step']} | {a if a is not None else '–'} | "
+                       f"{lead} | {', '.join(r['alert_signals']) or '–'} |")
+        leads = [r["halved_step"] - r["first_critical"] for _, r in collapsed
+                 if r["first_critical"] is not None]
+        out += ["", f"Collapsed runs: {len(collapsed)}; alerted before the reward halved: "
+                f"{sum(x > 0 for x in leads)}; at the same step: {sum(x == 0 for x in leads)}; "
+                f"after: {sum(x < 0 for x in leads)}; never: {len(collapsed) - len(leads)}."
+                + (f" Median lead {statistics.median(leads):g} steps." if leads else "")]
+    alarmed = [(c, r) for c, r in stable if r["critical_alerts"]]
+    out += ["", f"Runs whose reward never halved: {len(stable)}; with a critical alert (false "
+            f"alarms; goal: none): {len(alarmed)}" + (" (" + ", ".join(
+                f"{c.name} at step {r['first_critical']} on {', '.join(r['alert_signals'])}"
+                for c, r in sorted(alarmed, key=lambda x: x[0].name)) + ")" if alarmed else "")
+            + "."]
+    return out
+
+
+def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, command: str,
+              elapsed: float | None) -> str:
+    missing = [c.name for c in cells(cfg) if c not in runs]
+    short = [c.name for c, r in runs.items() if r["steps"][-1] < cfg.steps]
+    policy = ("the embedded model" if not cfg.policy_steps else
+              f"a zoo policy trained {cfg.policy_steps} steps (`mismatch zoo build --steps "
+              f"{cfg.policy_steps} --seed 0`; the embedded model is the same recipe at 1000)")
+    out = ["# The study on the CPU testbed: which corrections keep mixed-sampler RL stable", ""]
+    out += ["Sampler numerics are **emulated** (bit-exact formats and kernel habits on CPU); the "
+            "trainer computes in BF16 on an FP32 master. Policy: " + policy + " — Qwen3-MoE "
+            "architecture, 2.0M parameters. Multi-turn calculator task "
+            f"(`{cfg.tasks}`; an episode ends on a submit, {cfg.max_turns} turns, or three "
+            "replies in a row without a tool call).", ""]
+    if command:
+        out += ["Regenerate:", "", "```bash", command, "```", ""]
+    controls = (f"; on-policy controls (`--sync`): {', '.join(cfg.sync_arms)} on "
+                f"{', '.join(cfg.sync_fleets)}" if cfg.sync_arms else "")
+    out += [f"Grid: fleets {', '.join(f'{f} ({FLEETS[f]})' for f in cfg.fleets)}; forced "
+            f"staleness {', '.join(map(str, cfg.staleness))}; arms {', '.join(cfg.arms)}; seeds "
+            f"{', '.join(map(str, cfg.seeds))}{controls}. Each run: {cfg.steps} steps of "
+            f"{cfg.prompts} prompts × {cfg.samples} episodes, AdamW lr {cfg.lr:g}, temperature 1 "
+            "(top-p arms: p = 0.97 after top-k 64), SC over the samplers' top-128 candidates."
+            + (f" Held-out reward: {cfg.eval_tasks} tasks × 4 episodes before the first step, "
+               f"at step {(cfg.steps + 1) // 2} and after the last." if cfg.eval_tasks else "")]
+    if elapsed is not None:
+        out += ["", f"Wall time of the runs in this invocation: {elapsed / 60:.1f} min."]
+    if missing or short:
+        out += ["", f"**Incomplete**: {len(missing)} run(s) missing "
+                f"({', '.join(missing[:6])}{'…' if len(missing) > 6 else ''}), {len(short)} "
+                f"short of {cfg.steps} steps."]
+    out += ["", "## The study's claims, answered by these runs", "",
+            "Collapsed = the training reward's 5-step mean fell to half its first 3 steps. "
+            "Intervals: 95% (t over seeds for means; Clopper–Pearson for counts of runs).", ""]
+    out += _verdicts(cfg, runs)
+    out += ["", "## Curves", ""] + [f"![{f}]({f})" for f in figures]
+    out += ["", "## Per cell", "",
+            f"Training reward: the batches' reward, {_WINDOW}-step trailing mean (final = the "
+            f"last {_WINDOW} steps); ± = 95% t-interval over seeds. KL growth = highest "
+            f"{_WINDOW}-step KL mean / median KL of the first {_WINDOW} steps.", ""]
+    out += _cell_table(cfg, runs)
+    out += ["", "## The monitor on these runs", ""] + _monitor(runs)
+    l2 = [r for c, r in runs.items() if c.fleet == "L2" and r["group_kl_first"]]
+    if l2:
+        groups = sorted({g for r in l2 for g in r["group_kl_first"]})
+        out += ["", "## KL per sampler group of L2 at step 1 (same weights: numerics only)", "",
+                "| group | mean KL (k3) over runs |", "|---|---|"]
+        for g in groups:
+            vals = [r["group_kl_first"][g] for r in l2 if g in r["group_kl_first"]]
+            out.append(f"| {g} | {sum(vals) / len(vals):.2e} |")
+    out += ["", "## Every run", "", "| run | steps | train reward first 3 → final | held-out "
+            "base → mid → final | halved at | first critical alert |", "|---|---|---|---|---|---|"]
+    for c, r in sorted(runs.items(), key=lambda x: x[0].name):
+        ho = " → ".join(f"{r['heldout'][k]:.2f}" for k in ("base", "mid", "final")
+                        if k in r["heldout"]) or "–"
+        out.append(f"| {c.name} | {r['steps'][-1]} | {r['base']:.2f} → {r['final']:.2f} | {ho} "
+                   f"| {_steps_list([r['halved_step']])} | "
+                   f"{_steps_list([r['first_critical']])} |")
+    return "\n".join(out) + "\n"
