@@ -276,9 +276,16 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
         if state == "fresh" and run.exists():
             shutil.rmtree(run)  # killed before its first checkpoint: nothing to keep
         todo.append((cell, state == "resume"))
-    # seed by seed (a partial study holds whole seeds), the slowest fleet first in each
+    # seed by seed (a partial study holds whole seeds); in each, the central comparison first
+    # (uncorrected vs SC+MIS), then the on-policy controls, then the single corrections; the
+    # slowest fleet first among equals
     rank = {f: i for i, f in enumerate(sorted({*cfg.fleets, *cfg.sync_fleets}, reverse=True))}
-    todo.sort(key=lambda x: (cfg.seeds.index(x[0].seed), rank[x[0].fleet]))  # stable
+
+    def order(c: Cell) -> tuple:
+        central = 0 if c.arm in ("grpo", "sc+mis") and c.staleness is not None else (
+            1 if c.staleness is None else 2)
+        return cfg.seeds.index(c.seed), central, rank[c.fleet]
+    todo.sort(key=lambda x: order(x[0]))
     total = len(cells(cfg)) * cfg.steps
     running: dict[str, tuple[subprocess.Popen, Path, Any]] = {}
     t0 = time.perf_counter()
