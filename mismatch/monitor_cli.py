@@ -198,6 +198,26 @@ def _print_summary(summary: dict) -> None:
                + (f"; followed {followed}" if followed else ""))
 
 
+def _known_baselines(path: Path, adapter) -> dict[str, float]:
+    """The baselines of a known-good run's log (read with the same adapter as the watched one)."""
+    from probes.monitor import baselines_from
+
+    if not path.is_file():
+        raise ValueError(f"--baseline {path}: no such file; pass a finished run's metrics log")
+    records = []
+    with open(path, "rb") as handle:
+        for line in handle:
+            obj = _parse(line, Counter())
+            record = adapter.record(obj) if obj is not None else None
+            if record is not None:
+                records.append(record)
+    found = baselines_from(records)
+    if not found:
+        raise ValueError(f"--baseline {path}: {len(records)} readable records, too few for a "
+                         "baseline (it needs steps 4-13); pass a longer known-good run")
+    return found
+
+
 def _on_signals(stop: threading.Event) -> Callable[[], None]:
     """SIGINT/SIGTERM set `stop` (main thread only); returns the function that restores them."""
     if threading.current_thread() is not threading.main_thread():
@@ -238,6 +258,9 @@ def monitor_command(
                                         "for new data when following."),
     max_idle: float | None = typer.Option(None, "--max-idle", help="Stop following after this "
                                           "many seconds without new data."),
+    baseline: Path | None = typer.Option(None, "--baseline", help="A known-good run's log (same "
+                                         "format): take the baselines from its steps 4-13 and "
+                                         "judge this run from its first steps, not from step 14."),
 ) -> None:
     """Watch a training run's metrics for the collapse signature: exit 0 quiet, 1 alert, 2 bad
     input."""
@@ -246,7 +269,7 @@ def monitor_command(
     try:
         from probes.alerts import SEVERITIES, severity_rank
         from probes.formats import get_adapter
-        from probes.monitor import CollapseMonitor
+        from probes.monitor import CollapseMonitor, MonitorConfig
 
         if fail_on not in SEVERITIES:
             raise ValueError(f"--fail-on must be warning or critical, got {fail_on!r}")
@@ -262,11 +285,13 @@ def monitor_command(
             raise ValueError(f"{file}: not a regular file")
         with open(file, "rb"):
             pass
+        config = MonitorConfig(baselines=_known_baselines(baseline, adapter)) if baseline \
+            else None
         sinks = _sinks(as_json, alert_log, prometheus_port, webhook)
     except (ValueError, OSError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
-    monitor = CollapseMonitor(sinks=sinks)
+    monitor = CollapseMonitor(config, sinks=sinks)
     tally: Counter = Counter()
     stop = threading.Event()
     restore = _on_signals(stop) if follow else (lambda: None)

@@ -47,7 +47,7 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 from probes.alerts import SIGNALS, Alert, Sink
 
 __all__ = ["SignalRule", "MonitorConfig", "CollapseMonitor", "default_rules",
-           "episode_end_reason", "episode_summary", "FORMAT_ERROR_REASONS"]
+           "baselines_from", "episode_end_reason", "episode_summary", "FORMAT_ERROR_REASONS"]
 
 RuleKind = Literal["growth", "fall", "share", "drop"]
 _KINDS = ("growth", "fall", "share", "drop")
@@ -382,6 +382,26 @@ class CollapseMonitor:
         steps = t.run_crit if t.state == _CRITICAL and not partners else t.run_warn
         return Alert(step=step, signal=signal, severity=_SEVERITY[t.state], value=t.smoothed,
                      baseline=t.reference(), message=_message(signal, t, steps, partners))
+
+
+def baselines_from(records: Iterable[Mapping[str, Any]],
+                   config: MonitorConfig | None = None) -> dict[str, float]:
+    """The baselines a known-good run's `records` set, for `MonitorConfig(baselines=...)`: each
+    judged signal's median over the same observations a live monitor would take (after
+    `warmup_steps`, the next `baseline_steps`; the reward's median there starts its peak). A
+    monitor given them judges a new run from its first full smoothing window instead of after
+    warmup + baseline steps. Signals the records hold too few observations of are left out."""
+    cfg = config or MonitorConfig()
+    reader = CollapseMonitor(MonitorConfig(rules=cfg.rules, max_format_errors=cfg.max_format_errors,
+                                           max_turns=cfg.max_turns))
+    seen: dict[str, list[float]] = {s: [] for s in cfg.rules}
+    for record in records:
+        for signal, value in reader._values_of(record).items():
+            if signal in seen:
+                seen[signal].append(value)
+    window = slice(cfg.warmup_steps, cfg.warmup_steps + cfg.baseline_steps)
+    return {s: statistics.median(v[window]) for s, v in seen.items()
+            if len(v[window]) == cfg.baseline_steps}
 
 
 def _number(x: Any) -> float | None:

@@ -14,7 +14,7 @@ from mismatch.cli import app
 SNAPSHOT = {
     "formats": [],
     "profiles": [],
-    "monitor": ["--alert-log", "--fail-on", "--follow", "--format", "--json", "--map",
+    "monitor": ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json", "--map",
                 "--max-idle", "--poll-interval", "--prometheus-port", "--webhook"],
     "probe": ["--batch-size", "--ci-target", "--dtype", "--emulate", "--fleet-shares", "--gpu", "--json",
               "--kv-cache", "--ladder", "--max-new-tokens", "--max-prompts", "--model", "--n-prompts", "--out",

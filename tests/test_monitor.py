@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -25,7 +26,8 @@ from mismatch.monitor_cli import follow_lines, monitor_command
 from mismatch.zoo.episode import Episode, EpisodeConfig
 from mismatch.zoo.tasks import make_task
 from probes.formats import ADAPTERS, get_adapter
-from probes.monitor import (CollapseMonitor, MonitorConfig, SignalRule, default_rules,
+from probes.monitor import (CollapseMonitor, MonitorConfig, SignalRule, baselines_from,
+                            default_rules,
                             episode_end_reason, episode_summary)
 
 _BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_monitor.py"
@@ -543,9 +545,42 @@ def test_monitor_option_snapshot_and_light_import():
 
     command = typer.main.get_command(_app()).commands["monitor"]
     options = sorted(o for p in command.params for o in p.opts if o.startswith("--"))
-    assert options == ["--alert-log", "--fail-on", "--follow", "--format", "--json", "--map",
+    assert options == ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json", "--map",
                        "--max-idle", "--poll-interval", "--prometheus-port", "--webhook"]
     probe = subprocess.run([sys.executable, "-c", "import sys, mismatch.monitor_cli; "
                             "print(sorted(m for m in ('torch', 'numpy', 'probes.monitor') "
                             "if m in sys.modules))"], capture_output=True, text=True)
     assert probe.stdout.strip() == "[]"
+
+
+def test_baselines_from_a_known_good_run_judge_a_new_run_early():
+    """A known-good run's first steps give the baselines (the medians a live monitor would take
+    over steps 4-13); a new run judged against them alerts at step 3 instead of after step 14."""
+    good = [{"step": s, "kl": 1e-3 * (1 + 0.01 * s), "reward": 0.5} for s in range(1, 20)]
+    base = baselines_from(good)
+    assert base["kl"] == pytest.approx(statistics.median(1e-3 * (1 + 0.01 * s)
+                                                         for s in range(4, 14)))
+    assert base["reward"] == 0.5 and "entropy" not in base  # no observations: left out
+    assert len(baselines_from(good[:12])) == 0  # fewer than warmup + baseline steps
+    bad = [{"step": s, "kl": 5e-3, "reward": 0.5} for s in range(1, 6)]
+    default = CollapseMonitor(MonitorConfig())
+    assert [a for r in bad for a in default.update(r)] == []  # still building its baseline
+    early = CollapseMonitor(MonitorConfig(baselines=base))
+    fired = [a for r in bad for a in early.update(r)]
+    assert [(a.step, a.signal, a.severity) for a in fired][:1] == [(3, "kl", "critical")]
+
+
+def test_cli_baseline_from_a_known_good_log(tmp_path):
+    good = _write(tmp_path / "good.jsonl",
+                  [{"step": s, "kl": 1e-3, "reward": 0.5} for s in range(1, 20)])
+    bad = _write(tmp_path / "bad.jsonl", [{"step": s, "kl": 6e-3, "reward": 0.5}
+                                          for s in range(1, 6)])
+    assert _run(str(bad), "--json").exit_code == 0  # the defaults cannot judge 5 steps
+    res = _run(str(bad), "--json", "--baseline", str(good))
+    assert res.exit_code == 1
+    first = json.loads(res.stdout.splitlines()[0])
+    assert (first["signal"], first["severity"], first["baseline"]) == ("kl", "critical", 1e-3)
+    short = _write(tmp_path / "short.jsonl", [{"step": 1, "kl": 1e-3}])
+    for path, match in ((short, "too few for a baseline"), (tmp_path / "nope", "no such file")):
+        res = _run(str(bad), "--baseline", str(path))
+        assert res.exit_code == 2 and match in res.output
