@@ -243,6 +243,9 @@ def study_command(
                                          "the report (the discussion)."),
     report_only: bool = typer.Option(False, "--report-only", help="Aggregate the runs in OUT "
                                      "without running anything."),
+    export: Optional[Path] = typer.Option(None, "--export", help="Also copy study.json and "
+                                          "every run's logs (no checkpoints) here, e.g. to "
+                                          "commit them; `--report-only --out DIR` reads them."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
     """Run the study's grid (fleet x staleness x arm x seed) as separate processes, resumably,
@@ -303,6 +306,14 @@ def study_command(
     except OSError as exc:
         fail(f"cannot write the report {report or out / 'study.md'}: {exc.strerror or exc}")
     typer.echo(f"wrote {path}")
+    if export is not None:
+        from train.study import export_logs
+
+        try:
+            runs = export_logs(cfg, out, export)
+        except (ValueError, OSError) as exc:
+            fail(f"cannot export to {export}: {exc}")
+        typer.echo(f"exported the logs of {len(runs)} run(s) to {export}")
     if not report_only and result.failed:
         raise typer.Exit(1)
 

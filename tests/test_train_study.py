@@ -104,8 +104,19 @@ def test_finished_runs_are_never_rerun(ci_study):
 def test_report_only_rebuilds_from_the_saved_grid(ci_study, tmp_path):
     out, _, _ = ci_study
     report = tmp_path / "again.md"
-    proc = _cli(["study", "--out", str(out), "--report-only", "--report", str(report)])
+    logs = tmp_path / "logs"
+    proc = _cli(["study", "--out", str(out), "--report-only", "--report", str(report),
+                 "--export", str(logs)])
     assert proc.returncode == 0, proc.stderr
+    assert "exported the logs of 3 run(s)" in proc.stdout
+    assert sorted(p.name for p in (logs / "L2-k2-grpo-s0").iterdir()) == [
+        "alerts.jsonl", "command.txt", "config.json", "eval.json", "metrics.jsonl"]
+    # the exported logs alone (no checkpoints, no weights) give the same report
+    again = _cli(["study", "--out", str(logs), "--report-only", "--report",
+                  str(tmp_path / "from-logs.md")])
+    assert again.returncode == 0, again.stderr
+    body = lambda p: p.read_text().split("## The study's claims")[1]  # noqa: E731
+    assert body(tmp_path / "from-logs.md") == body(report)
     text = report.read_text()
     assert "| L2 | 2 | grpo | 1 |" in text and "| L0 |" not in text  # the saved grid, not "full"
     assert (tmp_path / "again-reward.png").exists()

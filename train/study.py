@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 __all__ = ["FLEETS", "ARMS", "StudyConfig", "STUDY_PRESETS", "Cell", "cells", "run_grid",
-           "run_state", "build_policy"]
+           "run_state", "build_policy", "export_logs"]
 
 FLEETS = {"L0": "homogeneous", "L1": "precision", "L2": "mixed"}
 """Study fleet name → train.fleet preset."""
@@ -344,3 +344,33 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
             log.close()
     result.seconds = time.perf_counter() - t0
     return result
+
+
+_LOGS = ("metrics.jsonl", "alerts.jsonl", "eval.json", "config.json", "command.txt")
+"""What a run directory holds that the report reads (no checkpoints, no weights)."""
+
+
+def export_logs(cfg: StudyConfig, out: Path, dest: Path) -> list[str]:
+    """Copy OUT/study.json and every run's logs (`_LOGS`) into `dest` (each file written to a
+    temporary name and renamed), so that `--report-only --out DEST` rebuilds the report without
+    the checkpoints. Returns the runs copied."""
+    out, dest = Path(out), Path(dest)
+    if not (out / "study.json").is_file():
+        raise ValueError(f"{out} holds no study (no study.json); run it first")
+    copied = []
+    for cell in cells(cfg):
+        run = out / cell.name
+        if not (run / "metrics.jsonl").is_file():
+            continue
+        (dest / cell.name).mkdir(parents=True, exist_ok=True)
+        for name in _LOGS:
+            if (run / name).is_file():
+                tmp = dest / cell.name / f".{name}.tmp-{os.getpid()}"
+                shutil.copyfile(run / name, tmp)
+                os.replace(tmp, dest / cell.name / name)
+        copied.append(cell.name)
+    tmp = dest / f".study.json.tmp-{os.getpid()}"
+    shutil.copyfile(out / "study.json", tmp)
+    os.replace(tmp, dest / "study.json")
+    return copied
+
