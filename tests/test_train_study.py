@@ -113,10 +113,10 @@ def test_report_only_rebuilds_from_the_saved_grid(ci_study, tmp_path):
         "alerts.jsonl", "command.txt", "config.json", "eval.json", "metrics.jsonl"]
     # the exported logs alone (no checkpoints, no weights) give the same report
     again = _cli(["study", "--out", str(logs), "--report-only", "--report",
-                  str(tmp_path / "from-logs.md")])
+                  str(tmp_path / "from-logs" / "again.md")])
     assert again.returncode == 0, again.stderr
     body = lambda p: p.read_text().split("## The study's claims")[1]  # noqa: E731
-    assert body(tmp_path / "from-logs.md") == body(report)
+    assert body(tmp_path / "from-logs" / "again.md") == body(report)
     text = report.read_text()
     assert "| L2 | 2 | grpo | 1 |" in text and "| L0 |" not in text  # the saved grid, not "full"
     assert (tmp_path / "again-reward.png").exists()
