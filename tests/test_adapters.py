@@ -84,6 +84,7 @@ def test_slime_console_lines_are_read_on_the_rollout_axis():
     # eval and critic lines are other events; nan / inf (repr's bare names) parse
     assert reader.feed("[t] model.py:918 - critic-step 3: {'train/critic-loss': 1.0}") is None
     assert reader.feed("[t] rollout_metrics.py:247 - eval 9: {'eval/gsm8k': 0.7}") is None
+    assert reader.tally["other_events"] == 2  # the critic and the eval line above
     nan = reader.feed("[t] model.py:918 - step 12: {'train/mis_k3_kl': nan, 'train/step': 12}")
     assert nan["step"] == 3 and math.isnan(nan["kl"])
 

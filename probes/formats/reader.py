@@ -97,7 +97,9 @@ class RecordReader:
 
     def feed_object(self, obj: Mapping[str, Any]) -> dict | None:
         """The native record of one parsed object (see `feed`)."""
-        record = self.adapter.record(obj, self.notes)
+        kind = obj.get("type")
+        other = isinstance(kind, str) and kind.startswith("console_")  # eval, critic lines
+        record = None if other else self.adapter.record(obj, self.notes)
         if record is None:
             self.tally["other_events"] += 1
             return None
