@@ -2,9 +2,14 @@
 
 Registered by mismatch/cli.py (`app.command("monitor")(monitor_command)`). Exit codes: 0 no
 alert at or above `--fail-on`, 1 one fired, 2 bad input (missing file, unknown format, bad
-`--map`, a sink that cannot start). Lines that cannot be used — not JSON, not an object, no
-monitored field, non-numeric or NaN values, no step — are counted and reported at the end,
-never fatal.
+`--map`, a sink that cannot start, a file of which not one record could be read). Lines that
+cannot be used — not JSON, not an object, no monitored field, non-numeric or NaN values, no
+step — are counted and reported at the end; fatal only when no line at all was usable.
+
+What is read: JSON lines, slime's and Miles' console metric lines (`--format slime|miles`), or
+TRL's trainer_state.json (`--format trl` given the file, a checkpoint dir or an output dir with
+checkpoint-N/ in it: the newest one's), re-read whenever it changes under `--follow`
+(`follow_state`). probes/formats/reader.py turns them into records.
 
 Following (`--follow`) is `tail -F`: new lines are read as they are appended; a file that shrinks
 (truncated in place) is read again from its start; a file replaced under the same name (renamed
@@ -27,6 +32,8 @@ from typing import Callable, Iterator
 import typer
 
 from probes.formats import ADAPTERS
+from probes.formats.reader import (RecordReader, expected_input, looks_like_state_file,
+                                   read_trainer_state, trainer_state_path)
 
 __all__ = ["monitor_command", "follow_lines"]
 
@@ -95,20 +102,46 @@ def follow_lines(path: Path, *, follow: bool, poll_interval: float = 0.5,
         f.close()
 
 
-def _parse(line: bytes, tally: Counter) -> dict | None:
-    """One JSON object, or None (counted as malformed unless the line is blank)."""
-    text = line.strip()
-    if not text:
-        return None
-    try:
-        obj = json.loads(text)
-    except (UnicodeDecodeError, ValueError):
-        tally["malformed"] += 1
-        return None
-    if not isinstance(obj, dict):
-        tally["malformed"] += 1
-        return None
-    return obj
+def follow_state(path: Path, *, follow: bool, poll_interval: float = 0.5,
+                 max_idle: float | None = None, stop: threading.Event | None = None,
+                 events: Counter | None = None) -> Iterator[dict]:
+    """The log_history entries of the trainer_state.json that `path` names (probes.formats.
+    reader.trainer_state_path), each once; with `follow`, re-read whenever it changes (or a newer
+    checkpoint appears). A file that does not parse is waited for when following (it may be
+    being rewritten), a ValueError otherwise. `events` counts the reads (`state_reads`)."""
+    stop = stop or threading.Event()
+    events = events if events is not None else Counter()
+    seen: set[str] = set()
+    last: tuple | None = None
+    last_growth = time.monotonic()
+    while not (follow and stop.is_set()):
+        target = trainer_state_path(path)
+        try:
+            st = os.stat(target) if target is not None else None
+        except OSError:
+            st = None
+        mark = None if st is None else (str(target), st.st_ino, st.st_mtime_ns, st.st_size)
+        if mark is not None and mark != last:
+            entries = read_trainer_state(target)
+            if entries is not None:
+                last, last_growth = mark, time.monotonic()
+                events["state_reads"] += 1
+                for entry in entries:
+                    key = json.dumps(entry, sort_keys=True, default=str)
+                    if key not in seen:
+                        seen.add(key)
+                        yield entry
+            elif not follow:
+                raise ValueError(f"{target}: not a trainer_state.json (no log_history list); "
+                                 "--format trl reads the one TRL writes at each checkpoint")
+        if not follow:
+            if target is None:
+                raise ValueError(f"{path}: no trainer_state.json in it nor in a checkpoint-N/ "
+                                 "under it; TRL writes one at each checkpoint (save_steps)")
+            return
+        if max_idle is not None and time.monotonic() - last_growth >= max_idle:
+            return
+        stop.wait(poll_interval)
 
 
 class _JsonLines:
@@ -158,7 +191,7 @@ def _sinks(as_json: bool, alert_log: Path | None, prometheus_port: int | None,
     return sinks
 
 
-def _summary(monitor, tally: Counter, fail_on: str) -> dict:
+def _summary(monitor, tally: Counter, fail_on: str, notes: Counter) -> dict:
     alerts = monitor.alerts
     return {
         "records": monitor.counts["records"], "first_step": monitor.first_step,
@@ -174,6 +207,7 @@ def _summary(monitor, tally: Counter, fail_on: str) -> dict:
                     "bad_episodes": monitor.counts["bad_episodes"]},
         "episodes": monitor.counts["episodes"],
         "truncations": tally["truncations"], "rotations": tally["rotations"],
+        "notes": {k: notes[k] for k in ("kl_squared", "zero_unset", "train_steps_moved")},
     }
 
 
@@ -202,20 +236,43 @@ def _known_baselines(path: Path, adapter) -> dict[str, float]:
     """The baselines of a known-good run's log (read with the same adapter as the watched one)."""
     from probes.monitor import baselines_from
 
-    if not path.is_file():
+    if not (path.is_file() or _reads_state(path, adapter)):
         raise ValueError(f"--baseline {path}: no such file; pass a finished run's metrics log")
-    records = []
-    with open(path, "rb") as handle:
-        for line in handle:
-            obj = _parse(line, Counter())
-            record = adapter.record(obj) if obj is not None else None
-            if record is not None:
-                records.append(record)
+    reader = RecordReader(adapter)
+    if _reads_state(path, adapter):
+        found_records = (reader.feed_entry(e) for e in follow_state(path, follow=False))
+    else:
+        with open(path, "rb") as handle:
+            found_records = [reader.feed(line) for line in handle]
+    records = [r for r in found_records if r is not None]
     found = baselines_from(records)
     if not found:
         raise ValueError(f"--baseline {path}: {len(records)} readable records, too few for a "
                          "baseline (it needs steps 4-13); pass a longer known-good run")
     return found
+
+
+def _reads_state(path: Path, adapter) -> bool:
+    """Whether `path` is read as a trainer_state.json (TRL), not as lines."""
+    return adapter.name == "trl" and (path.is_dir() or (path.is_file()
+                                                        and looks_like_state_file(path)))
+
+
+def _unreadable(file: Path, reader) -> str | None:
+    """The one-line error for a file of which no record could be read (None if some was)."""
+    t, name = reader.tally, reader.adapter.name
+    if not t["lines"]:
+        return None
+    seen = t["json_objects"] + t["console_lines"]
+    if not seen:
+        what = "a JSON object" + (" or a console metrics line" if reader.console else "")
+        return (f"{file}: read {t['lines']} lines, none is {what}; --format {name} expects "
+                f"{expected_input(reader.adapter)}")
+    if t["other_events"] == seen:
+        return (f"{file}: read {seen} objects, all other events (no metric event); "
+                f"--format {name} expects {expected_input(reader.adapter)}")
+    return (f"{file}: read {seen} objects, none has a field --format {name} reads; check "
+            f"--format ({', '.join(ADAPTERS)}) or name the fields with --map SIGNAL=FIELD")
 
 
 def _on_signals(stop: threading.Event) -> Callable[[], None]:
@@ -234,7 +291,9 @@ def _on_signals(stop: threading.Event) -> Callable[[], None]:
 
 
 def monitor_command(
-    file: Path = typer.Argument(..., help="JSONL metrics log: one JSON object per training step."),
+    file: Path = typer.Argument(..., help="Metrics log: JSON lines (one object per step), "
+                                "slime/Miles console lines, or TRL's trainer_state.json (or "
+                                "checkpoint dir)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep reading as the file grows "
                                 "(tail -F: survives truncation and rotation) until SIGINT/SIGTERM "
                                 "or --max-idle."),
@@ -281,10 +340,16 @@ def monitor_command(
             raise ValueError(f"--max-idle must be >= 0 seconds, got {max_idle}")
         if not file.exists():
             raise ValueError(f"{file}: no such file")
-        if not file.is_file():
+        state = _reads_state(file, adapter)
+        if not state and not file.is_file():
             raise ValueError(f"{file}: not a regular file")
-        with open(file, "rb"):
-            pass
+        if not state:
+            with open(file, "rb"):
+                pass
+        elif not follow and trainer_state_path(file) is None:
+            raise ValueError(f"{file}: no trainer_state.json in it nor in a checkpoint-N/ under "
+                             "it; TRL writes one at each checkpoint (save_steps), or log live "
+                             "with mismatch.integrations.trl.MonitorLogCallback")
         config = MonitorConfig(baselines=_known_baselines(baseline, adapter)) if baseline \
             else None
         sinks = _sinks(as_json, alert_log, prometheus_port, webhook)
@@ -292,33 +357,36 @@ def monitor_command(
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     monitor = CollapseMonitor(config, sinks=sinks)
-    tally: Counter = Counter()
+    reader = RecordReader(adapter)
+    tally = reader.tally
     stop = threading.Event()
     restore = _on_signals(stop) if follow else (lambda: None)
+    options = dict(follow=follow, poll_interval=poll_interval, max_idle=max_idle, stop=stop,
+                   events=tally)
     try:
-        for line in follow_lines(file, follow=follow, poll_interval=poll_interval,
-                                 max_idle=max_idle, stop=stop, events=tally):
-            obj = _parse(line, tally)
-            if obj is None:
-                continue
-            record = adapter.record(obj)
-            if record is None:
-                tally["other_events"] += 1
-                continue
-            if len(record) == 1 and "episodes" not in record:  # only the step
-                tally["no_signals"] += 1
-                continue
-            monitor.update(record)
+        if state:
+            records = (reader.feed_entry(e) for e in follow_state(file, **options))
+        else:
+            records = (reader.feed(line) for line in follow_lines(file, **options))
+        for record in records:
+            if record is not None:
+                monitor.update(record)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0])
     finally:
         restore()
         monitor.close()
+    if not monitor.counts["records"] and (problem := _unreadable(file, reader)):
+        fail(problem)
+    for notice in reader.notices():
+        typer.echo(f"mismatch: note: {notice}", err=True)
     for sink in sinks:
         stats = getattr(sink, "stats", None)
         if isinstance(stats, dict) and (stats.get("failed") or stats.get("dropped")):
             typer.echo(f"mismatch: webhook: {stats.get('sent', 0)} sent, "
                        f"{stats.get('failed', 0)} failed, {stats.get('dropped', 0)} dropped",
                        err=True)
-    summary = _summary(monitor, tally, fail_on)
+    summary = _summary(monitor, tally, fail_on, reader.notes)
     if as_json:
         typer.echo(json.dumps({"summary": summary}))
     else:
