@@ -11,9 +11,19 @@ prompts and compares them on the same sampled tokens:
     sampler     the full sampler: KV-cache decode path, the GPU's attention kernel family and
                 GEMM accumulation, and the formats
 
-    total        = divergence(trainer, sampler)
-    precision    = divergence(trainer, precision)      what the formats alone cost
-    accelerator  = divergence(precision, sampler)      what the GPU's kernels add on top
+    total        = KL(sampler ‖ trainer)
+    precision    = KL(precision ‖ trainer)      what the formats alone cost
+    accelerator  = KL(sampler ‖ precision)      what the GPU's kernels add on top
+
+Each column's headline is the exact full-vocabulary KL of its pair of configurations at the
+positions the sampler visited (`kl_exact`, from the three configurations' whole log-softmax rows,
+reduced to [B, W] batch by batch; mismatch.metrics.exact_kl), with a 95% bootstrap interval over
+sequences (`kl_exact_ci95`), as the source probes report it (probes.base.Tally). The token
+estimators k1/k2/k3, the importance ratios and ESS stay as secondary figures; they estimate
+KL(μ‖π) only on tokens drawn from μ, which holds for `total` and `accelerator` (μ is the sampler)
+but not for `precision` (μ is the precision configuration, which drew no tokens): there they are
+flagged `k_estimators_valid: false`. KL is not additive: precision + accelerator need not equal
+the total, and one source can exceed the total when the other partly cancels it.
 
 Figures are labeled `emulated` unless the sampler ran on the named GPU itself (`measured`). On a
 CUDA machine the local GPU must be the named one (name and compute capability) unless
@@ -33,15 +43,17 @@ from typing import Callable
 
 import torch
 
-from .metrics import bootstrap_ci, divergence_summary, log_ratio
+from .metrics import exact_kl
 from .profiles import NumericsSpec, check_local_gpu, local_gpu, resolve, trainer_spec
 from .records import Rollout
 
-__all__ = ["ProbeConfig", "ProbeError", "run_probe", "load_prompts", "SOURCES_REPORTED"]
+__all__ = ["ProbeConfig", "ProbeError", "run_probe", "load_prompts", "exact_split",
+           "SOURCES_REPORTED", "SPLIT"]
 
 SOURCES_REPORTED = ("precision", "accelerator")
-_KEYS = ("kl_k3", "kl_k1", "kl_k2", "abs_logprob_diff_mean", "abs_logprob_diff_p99",
-         "abs_logprob_diff_max", "mis_masked_fraction", "ratio_mean", "ess")
+SPLIT = {"total": ("trainer", "sampler"), "precision": ("trainer", "precision"),
+         "accelerator": ("precision", "sampler")}
+"""Column → (reference π, other μ): each column is KL(μ ‖ π) between two configurations."""
 
 
 _SMALL_MODEL = 50_000_000  # parameters: below this, one intra-op thread is fastest
@@ -182,26 +194,6 @@ def _sampler_numerics(model: torch.nn.Module, spec: NumericsSpec, scales: dict):
                           spec.activation_codec == "fp8-act")
 
 
-def _summary(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor,
-             seed: int) -> dict:
-    s = {k: float(v) for k, v in divergence_summary(reference, other, mask).items()}
-    out = {k: s[k] for k in _KEYS}
-    out["tokens"] = int(s["tokens"])
-    out["kl_k3_ci95"] = list(_bootstrap_ci(reference, other, mask, seed))
-    return out
-
-
-def _bootstrap_ci(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor,
-                  seed: int) -> tuple[float, float]:
-    """95% interval of mean k3 resampling whole sequences (tokens of a sequence are correlated)."""
-    r = log_ratio(reference, other).clamp(-20, 20)
-    k3 = (torch.expm1(r) - r) * mask.double()
-    per_seq_sum, per_seq_n = k3.sum(-1), mask.double().sum(-1)
-    keep = per_seq_n > 0
-    lo, hi = bootstrap_ci(per_seq_sum[keep], per_seq_n[keep], seed)
-    return lo, hi
-
-
 @dataclass
 class ProbeResult:
     """Everything the probe measured, plus the raw per-token arrays for plots."""
@@ -218,6 +210,7 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     from .engines.scorer import score
     from .engines.te import check_te
     from .zoo import load_model, load_tokenizer
+    from probes.base import Tally
 
     spec = resolve(cfg.gpu, cfg.dtype, cfg.kv_cache)
     trainer = trainer_spec(cfg.trainer_dtype)
@@ -253,7 +246,7 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                             seed=cfg.seed)
     batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
-    rows = {"trainer": [], "precision": [], "sampler": [], "mask": []}
+    tallies = {name: Tally() for name in SPLIT}
     width = cfg.max_new_tokens
     for i, batch in enumerate(batches):
         if measured:
@@ -261,42 +254,69 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
             try:
                 with _sampler_numerics(sampler_model, spec, scales):
                     rollout = generate(sampler_model, batch, params, pad_id=pad_id,
-                                       eos_ids=eos, label=spec.label, mode=mode)
+                                       eos_ids=eos, label=spec.label, mode=mode,
+                                       keep_full=True)
             finally:
                 sampler_model.cpu()
         else:
             with apply_numerics(sampler_model, spec, scales):
                 rollout = generate(sampler_model, batch, params, pad_id=pad_id, eos_ids=eos,
-                                   label=spec.label, mode=mode)
-        trainer_scores = _trainer_scores(trainer_model, trainer, rollout, cfg.trainer_kernels)
+                                   label=spec.label, mode=mode, keep_full=True)
+        pw = int(rollout.meta["prompt_width"])
+        trainer_scores = _trainer_scores(trainer_model, trainer, rollout, cfg.trainer_kernels,
+                                         full_from=pw)
         with apply_numerics(sampler_model, spec, scales, kernels=False):
-            precision_scores = score(sampler_model, rollout, with_routing=False)
-        completion = _completion_slice(rollout.completion_mask, rollout, width)
-        rows["trainer"].append(_completion_slice(trainer_scores.logprobs, rollout, width))
-        rows["precision"].append(_completion_slice(precision_scores.logprobs, rollout, width))
-        rows["sampler"].append(_completion_slice(rollout.sampler_logprobs, rollout, width))
-        rows["mask"].append(completion)
+            precision_scores = score(sampler_model, rollout, with_routing=False, full_from=pw)
+        lp = {"trainer": trainer_scores.logprobs, "precision": precision_scores.logprobs,
+              "sampler": rollout.sampler_logprobs}
+        full = {"trainer": trainer_scores.full_logprobs,
+                "precision": precision_scores.full_logprobs,
+                "sampler": rollout.meta.pop("full_logprobs")}
+        del trainer_scores, precision_scores
+        exact = exact_split(full, width)  # [B, W] each
+        del full  # the [B, n, V] rows never outlive their batch
+        mask = _completion_slice(rollout.completion_mask, rollout, width)
+        for name, (ref, other) in SPLIT.items():
+            tallies[name].add(_completion_slice(lp[ref], rollout, width),
+                              _completion_slice(lp[other], rollout, width), mask,
+                              exact=exact[name])
         if progress:
             progress(i + 1, len(batches))
-    t, p, s, m = (torch.cat(rows[k]) for k in ("trainer", "precision", "sampler", "mask"))
+    columns = {name: tally.summary(cfg.seed) for name, tally in tallies.items()}
+    for name, col in columns.items():
+        col["k_estimators_valid"] = SPLIT[name][1] == "sampler"  # tokens drawn from μ itself
     summary = {
         "gpu": spec.gpu, "dtype": spec.dtype, "kv_cache": spec.kv_cache,
         "trainer_dtype": trainer.dtype, "trainer_kernels": cfg.trainer_kernels, "mode": mode,
         "model": str(cfg.model) if cfg.model else "embedded",
         "kernel_path": spec.kernel_path, "attention": spec.attention,
-        "prompts": len(prompts), "tokens": int(m.sum()),
-        "total": _summary(t, s, m, cfg.seed),
-        "sources": {"precision": _summary(t, p, m, cfg.seed),
-                    "accelerator": _summary(p, s, m, cfg.seed)},
+        "prompts": len(prompts), "tokens": tallies["total"].tokens,
+        "total": columns["total"],
+        "sources": {name: columns[name] for name in SOURCES_REPORTED},
     }
-    r = (log_ratio(t, s) * m.double())
-    per_pos = {name: _per_position(a, b, m) for name, (a, b) in
-               {"total": (t, s), "precision": (t, p), "accelerator": (p, s)}.items()}
-    return ProbeResult(summary=summary, log_ratio_total=r[m.bool()].float(), per_position=per_pos)
+    per_pos = {name: _per_position(tally) for name, tally in tallies.items()}
+    return ProbeResult(summary=summary, log_ratio_total=tallies["total"].log_ratio(),
+                       per_position=per_pos)
+
+
+def exact_split(full: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
+    """Per-position exact KL(μ ‖ π) [B, width] float64 of each SPLIT column, from the
+    configurations' whole log-softmax rows at the completion positions, `full[name]` [B, n, V]
+    (name: trainer, precision, sampler); zero-padded past n. Peak extra memory: exact_kl's tiles."""
+    out = {}
+    for name, (ref, other) in SPLIT.items():
+        b, n, v = full[other].shape
+        if full[ref].shape != (b, n, v):
+            raise ValueError(f"{ref} rows {tuple(full[ref].shape)} and {other} rows "
+                             f"{tuple(full[other].shape)} differ")
+        kl = exact_kl(full[other].reshape(b * n, v), full[ref].reshape(b * n, v)).view(b, n)
+        out[name] = torch.zeros(b, width, dtype=torch.float64)
+        out[name][:, :min(n, width)] = kl[:, :width]
+    return out
 
 
 def _trainer_scores(model: torch.nn.Module, trainer: NumericsSpec, rollout: Rollout,
-                    kernels: str):
+                    kernels: str, full_from: int):
     """The trainer side's scores: the reference GEMM model on CPU, or transformer-engine's
     linear layers on the local GPU (the model visits CUDA for the call)."""
     from .engines.numerics import apply_numerics
@@ -305,11 +325,11 @@ def _trainer_scores(model: torch.nn.Module, trainer: NumericsSpec, rollout: Roll
 
     if kernels == "torch":
         with apply_numerics(model, trainer, kernels=False):
-            return score(model, rollout, with_routing=False)
+            return score(model, rollout, with_routing=False, full_from=full_from)
     model.cuda()
     try:
         with te_linears(model, kernels):
-            return score(model, rollout, with_routing=False)
+            return score(model, rollout, with_routing=False, full_from=full_from)
     finally:
         model.cpu()
 
@@ -329,9 +349,9 @@ def _completion_slice(x: torch.Tensor, rollout: Rollout, width: int) -> torch.Te
     return out
 
 
-def _per_position(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor) -> list[float]:
-    """Mean k3 at each completion position (NaN where no sequence reaches it)."""
-    r = log_ratio(reference, other).clamp(-20, 20)
-    k3 = (torch.expm1(r) - r) * mask.double()
-    n = mask.double().sum(0)
-    return [float(v) if c > 0 else math.nan for v, c in zip(k3.sum(0) / n.clamp_min(1), n)]
+def _per_position(tally) -> list[float]:
+    """Mean exact KL at each completion position (NaN where no sequence reaches it)."""
+    exact, mask = torch.cat(tally.exact), torch.cat(tally.mask).double()
+    n = mask.sum(0)
+    return [float(v) if c > 0 else math.nan
+            for v, c in zip(exact.sum(0) / n.clamp_min(1), n)]

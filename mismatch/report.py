@@ -12,18 +12,66 @@ from pathlib import Path
 import torch
 
 __all__ = ["atomic_directory", "format_table", "markdown_report", "save_figure",
-           "write_probe_outputs"]
+           "split_check", "write_probe_outputs"]
 
-_ROWS = (("kl_k3", "KL k3", "{:.3e}"), ("kl_k1", "KL k1", "{:+.3e}"),
+_ESTIMATOR = {"kl_k3", "kl_k1", "ess", "kl_k3_ci95"}
+"""Figures that estimate KL(μ‖π) or weigh by π/μ: valid only on tokens drawn from μ itself."""
+_ROWS = (("kl_exact", "KL exact", "{:.3e}"), ("kl_exact_ci95", "KL exact 95% CI", None),
+         ("kl_k3", "KL k3", "{:.3e}"), ("kl_k3_ci95", "k3 95% CI", None),
+         ("kl_k1", "KL k1", "{:+.3e}"),
          ("abs_logprob_diff_mean", "|Δlogp| mean", "{:.3e}"),
          ("abs_logprob_diff_p99", "|Δlogp| p99", "{:.3e}"),
          ("abs_logprob_diff_max", "|Δlogp| max", "{:.3e}"),
          ("mis_masked_fraction", "outside [0.5, 5]", "{:.4%}"),
          ("ess", "ESS", "{:.5f}"))
+_OFF = "n/a†"
+_FOOTNOTE = ("† k1/k3 and ESS estimate KL(μ‖π) only on tokens drawn from μ; the precision "
+             "configuration drew none (the tokens are the sampler's), so only its exact KL "
+             "counts (the JSON keeps the token figures, flagged k_estimators_valid: false).")
+_MEANING = ("Columns: `total` = KL(sampler ‖ trainer); `precision` = KL(precision ‖ trainer), "
+            "the trainer's forward with the sampler's formats (weights decoded from their real "
+            "storage, activations and KV cache quantized); `accelerator` = KL(sampler ‖ "
+            "precision), the full sampler (decode path, attention kernel family, GEMM "
+            "accumulation) against that. Each headline is the exact full-vocabulary KL of the "
+            "pair at the positions the sampler visited, with a 95% bootstrap interval over "
+            "sequences; the token figures below it are computed on the sampler's tokens. KL is "
+            "not additive: precision + accelerator need not equal the total, and a source may "
+            "exceed it when the other partly cancels it.")
 
 
 def _columns(summary: dict) -> list[tuple[str, dict]]:
     return [("total", summary["total"])] + list(summary["sources"].items())
+
+
+def _cell(col: dict, key: str, fmt: str | None) -> str:
+    if key in _ESTIMATOR and not col.get("k_estimators_valid", True):
+        return _OFF
+    if key not in col:
+        return "-"
+    return "[{:.2e}, {:.2e}]".format(*col[key]) if fmt is None else fmt.format(col[key])
+
+
+def _has_off(cols: list[tuple[str, dict]]) -> bool:
+    return any(not c.get("k_estimators_valid", True) for _, c in cols)
+
+
+def split_check(summary: dict) -> str:
+    """One sentence: the sum of the sources against the total, and any source above the total
+    by more than the two intervals' half-widths (which would mean the sources cancel)."""
+    total = summary["total"]
+    if "kl_exact" not in total:
+        return ""
+    half = (total["kl_exact_ci95"][1] - total["kl_exact_ci95"][0]) / 2
+    srcs = summary["sources"]
+    over = [name for name, c in srcs.items() if c["kl_exact"] > total["kl_exact"] + half +
+            (c["kl_exact_ci95"][1] - c["kl_exact_ci95"][0]) / 2]
+    line = (f"Exact KL: precision + accelerator = "
+            f"{sum(c['kl_exact'] for c in srcs.values()):.3e} against a total of "
+            f"{total['kl_exact']:.3e}.")
+    if over:
+        line += (f" {', '.join(over)} exceeds the total beyond the intervals: the sources "
+                 f"partly cancel in the full sampler.")
+    return line
 
 
 def format_table(summary: dict) -> str:
@@ -32,9 +80,9 @@ def format_table(summary: dict) -> str:
     head = f"{'':<18}" + "".join(f"{name:>22}" for name, _ in cols)
     lines = [head]
     for key, label, fmt in _ROWS:
-        lines.append(f"{label:<18}" + "".join(f"{fmt.format(c[key]):>22}" for _, c in cols))
-    ci = "".join(f"{'[{:.2e}, {:.2e}]'.format(*c['kl_k3_ci95']):>22}" for _, c in cols)
-    lines.append(f"{'k3 95% CI':<18}{ci}")
+        lines.append(f"{label:<18}" + "".join(f"{_cell(c, key, fmt):>22}" for _, c in cols))
+    if _has_off(cols):
+        lines.append(_FOOTNOTE)
     return "\n".join(lines)
 
 
@@ -54,13 +102,10 @@ def markdown_report(summary: dict, command: str) -> str:
            "| figure | " + " | ".join(name for name, _ in cols) + " |",
            "|---|" + "---:|" * len(cols)]
     for key, label, fmt in _ROWS:
-        out.append(f"| {label} | " + " | ".join(fmt.format(c[key]) for _, c in cols) + " |")
-    out.append("| k3 95% CI (sequence bootstrap) | " + " | ".join(
-        "[{:.2e}, {:.2e}]".format(*c["kl_k3_ci95"]) for _, c in cols) + " |")
-    out += ["", "Sources: `precision` = trainer vs the same teacher-forced forward with the "
-            "sampler's formats; `accelerator` = that vs the full sampler (decode path, attention "
-            "kernel family, GEMM accumulation). KL figures estimate KL(sampler ‖ trainer) on "
-            "tokens the sampler drew.", "",
+        label = f"**{label}**" if key == "kl_exact" else label.replace("|", "\\|")
+        out.append(f"| {label} | " + " | ".join(_cell(c, key, fmt) for _, c in cols) + " |")
+    out += [""] + ([_FOOTNOTE, ""] if _has_off(cols) else [])
+    out += [_MEANING, "", split_check(summary), "",
             "![log-ratio histogram](log_ratio_hist.png)", "",
             "![per-position divergence](per_position.png)", ""]
     return "\n".join(out)
@@ -100,7 +145,7 @@ def _plots(tmp: Path, log_ratio: torch.Tensor, per_position: dict[str, list[floa
         ax.plot(xs, [values[i] for i in xs], label=name, lw=1.2)
     ax.set_yscale("log")
     ax.set_xlabel("completion position")
-    ax.set_ylabel("mean k3")
+    ax.set_ylabel("mean exact KL")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     save_figure(fig, tmp / "per_position.png")

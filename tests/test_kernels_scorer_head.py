@@ -223,3 +223,10 @@ def test_trainer_scorer_runs_the_fused_head():
     assert torch.equal(fused.top1_ids, chunked.top1_ids)
     assert full.full_logprobs.shape == (b, t - 3, v)
     assert torch.allclose(full.full_logprobs.exp().sum(-1), torch.ones(b, t - 3))
+    # only the completion rows are kept, each in its place, whatever the row chunk
+    model.head.forward = model.head.forward
+    small = score(model, rollout, with_routing=False, full_from=3, row_chunk=4)
+    del model.head.forward
+    assert torch.equal(small.full_logprobs, full.full_logprobs)
+    at_token = full.full_logprobs.gather(-1, ids[:, 3:, None])[..., 0]
+    assert torch.equal(at_token, full.logprobs[:, 3:])

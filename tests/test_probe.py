@@ -13,7 +13,8 @@ from conftest import build_tiny_model
 from mismatch.cli import app
 
 runner = CliRunner()
-KEYS = ("kl_k3", "kl_k1", "abs_logprob_diff_mean", "abs_logprob_diff_max", "mis_masked_fraction")
+KEYS = ("kl_k3", "kl_k1", "abs_logprob_diff_mean", "abs_logprob_diff_max", "mis_masked_fraction",
+        "kl_exact")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,8 @@ def test_probe_json_schema_and_outputs(moe_dir, prompt_file, tmp_path):
     for block in (s["total"], s["sources"]["precision"], s["sources"]["accelerator"]):
         for k in KEYS:
             assert math.isfinite(block[k]), k
+        lo, hi = block["kl_exact_ci95"]
+        assert 0 <= lo <= block["kl_exact"] <= hi
     assert s["total"]["kl_k3"] > 0 and s["sources"]["precision"]["kl_k3"] > 0
     for name in ("results.json", "report.md", "log_ratio_hist.png", "per_position.png"):
         assert (out / name).stat().st_size > 0
@@ -59,9 +62,16 @@ def test_probe_table_for_bf16(moe_dir, prompt_file, tmp_path):
                  str(prompt_file), "--max-new-tokens", "8", "--out", str(tmp_path / "r"))
     assert res.exit_code == 0, res.output
     assert "EMULATED" in res.stdout and "KL k3" in res.stdout
+    rows = res.stdout.splitlines()
+    head = next(i for i, line in enumerate(rows) if line.split() == ["total", "precision",
+                                                                      "accelerator"])
+    assert rows[head + 1].startswith("KL exact ") and rows[head + 2].startswith("KL exact 95% CI")
     s = json.loads((tmp_path / "r" / "results.json").read_text())
     assert s["total"]["kl_k3"] > 0  # kernels alone: decode path, FA2 tiling, BF16 P
     assert s["sources"]["precision"]["kl_k3"] == 0  # BF16 weights are the trainer's own
+    assert s["sources"]["precision"]["kl_exact"] == 0
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "| **KL exact** |" in report and "not additive" in report
 
 
 def _check_one_line_error(res, *needles: str) -> None:

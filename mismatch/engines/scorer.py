@@ -72,8 +72,12 @@ def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
         lp, top1, cand_lp, full = out.logprobs, out.top1, out.candidate_logprobs, None
         lp, top1, cand_lp = lp.cpu(), top1.cpu(), cand_lp.cpu()
     else:
+        keep = None
+        if full_from is not None:  # only the rows predicting positions full_from.. get kept
+            keep = torch.zeros(b, t - 1, dtype=torch.bool)
+            keep[:, full_from - 1:] = True
         lp, top1, cand_lp, full = _chunked(head, flat, targets, cand, row_chunk,
-                                           full_from is not None)
+                                           None if keep is None else keep.view(-1))
     pad_f = torch.zeros(b, 1)
     logprobs = torch.cat([pad_f, lp.view(b, t - 1)], dim=1)
     top1_ids = torch.cat([torch.zeros(b, 1, dtype=torch.long), top1.view(b, t - 1)], dim=1)
@@ -84,24 +88,29 @@ def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
         routed = torch.stack([r[0].view(b, t, -1) for r in routing], dim=2).cpu()
     return Scores(logprobs=logprobs, top1_ids=top1_ids, candidate_logprobs=cand_out,
                   routed_experts=routed,
-                  full_logprobs=None if full is None else
-                  full.view(b, t - 1, -1)[:, full_from - 1:])
+                  full_logprobs=None if full is None else full.view(b, t - full_from, -1))
 
 
 def _chunked(head: torch.nn.Module, flat: torch.Tensor, targets: torch.Tensor,
-             cand: torch.Tensor, row_chunk: int, keep_full: bool):
+             cand: torch.Tensor, row_chunk: int, keep_full: torch.Tensor | None):
     """lm_head in row chunks of [chunk, V] FP32 logits: [N] log-probs, [N] top-1, [N, K]
-    candidate log-probs, and the whole [N, V] log-softmax when `keep_full`."""
+    candidate log-probs, and the whole log-softmax [M, V] of the M rows `keep_full` [N] bool
+    marks (in row order; None: none). Only those rows are stored: a prompt's rows never are."""
     n = flat.shape[0]
     lp = torch.empty(n, dtype=torch.float32)
     top1 = torch.empty(n, dtype=torch.long)
     cand_lp = torch.empty(cand.shape, dtype=torch.float32)
-    full = torch.empty(n, head.weight.shape[0], dtype=torch.float32) if keep_full else None
+    full = None
+    if keep_full is not None:
+        keep = keep_full.cpu()
+        slot = keep.long().cumsum(0) - 1  # row → its place in `full`
+        full = torch.empty(int(keep.sum()), head.weight.shape[0], dtype=torch.float32)
     for r0 in range(0, n, row_chunk):
         logits = head(flat[r0:r0 + row_chunk]).float()  # (chunk, V) FP32 tile
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        if full is not None:
-            full[r0:r0 + row_chunk] = logits - lse
+        if full is not None and bool(keep[r0:r0 + row_chunk].any()):
+            sel = keep[r0:r0 + row_chunk]
+            full[slot[r0:r0 + row_chunk][sel]] = (logits - lse)[sel.to(logits.device)].cpu()
         lp[r0:r0 + row_chunk] = (logits.gather(-1, targets[r0:r0 + row_chunk, None]) - lse)[:, 0]
         top1[r0:r0 + row_chunk] = logits.argmax(-1)
         cand_lp[r0:r0 + row_chunk] = logits.gather(-1, cand[r0:r0 + row_chunk]) - lse

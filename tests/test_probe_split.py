@@ -1,0 +1,104 @@
+"""The quick probe's split on the embedded model: each column's headline is the exact KL of its
+pair of configurations, no source exceeds the total beyond the intervals, and the per-position
+figures equal a float64 reference from the configurations' own log-softmax rows (three probes
+of 16 prompts × 24 tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mismatch.probe as probe_mod
+from mismatch.probe import SPLIT, ProbeConfig, run_probe
+
+SMALL = dict(n_prompts=16, max_new_tokens=24, batch_size=16, threads=1, emulate=True)
+
+
+def _half(col: dict) -> float:
+    lo, hi = col["kl_exact_ci95"]
+    return (hi - lo) / 2
+
+
+@pytest.fixture(scope="module")
+def nvfp4():
+    """A b200 nvfp4 probe of one batch, with the rollout it scored, the rows exact_split saw
+    and the per-position KL it returned."""
+    import mismatch.engines.scorer as scorer
+
+    seen: dict = {"rollouts": [], "split": []}
+    real_split, real_score = probe_mod.exact_split, scorer.score
+
+    def split_spy(full, width):
+        out = real_split(full, width)
+        seen["split"].append(({k: v.clone() for k, v in full.items()}, out))
+        return out
+
+    def score_spy(model, rollout, **kw):
+        seen["rollouts"].append(rollout)
+        return real_score(model, rollout, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(probe_mod, "exact_split", split_spy)
+        mp.setattr(scorer, "score", score_spy)  # run_probe imports it at call time
+        result = run_probe(ProbeConfig(gpu="b200", dtype="nvfp4", **SMALL))
+    assert len(seen["split"]) == 1 and len(seen["rollouts"]) == 2  # one batch, two scorings
+    return result, seen["rollouts"][0], *seen["split"][0]
+
+
+@pytest.fixture(scope="module")
+def fp8():
+    return run_probe(ProbeConfig(gpu="h100", dtype="fp8", **SMALL)).summary
+
+
+def _reference_kl(mu_rows: torch.Tensor, pi_rows: torch.Tensor) -> torch.Tensor:
+    """KL(μ‖π) per position in float64 straight from the definition, Σ μ (log μ − log π)."""
+    log_mu = torch.log_softmax(mu_rows.double(), dim=-1)
+    log_pi = torch.log_softmax(pi_rows.double(), dim=-1)
+    return (log_mu.exp() * (log_mu - log_pi)).sum(-1)
+
+
+def test_sources_stay_within_the_total(nvfp4, fp8):
+    for s in (nvfp4[0].summary, fp8):
+        total = s["total"]
+        assert total["kl_exact"] > 0
+        assert total["kl_exact_ci95"][0] <= total["kl_exact"] <= total["kl_exact_ci95"][1]
+        for name, col in s["sources"].items():
+            assert col["kl_exact"] <= total["kl_exact"] + _half(total) + _half(col), \
+                (s["gpu"], s["dtype"], name, col["kl_exact"], total["kl_exact"])
+        assert s["sources"]["precision"]["kl_exact"] > 0  # the formats cost something
+        # the k-estimators count only where the tokens came from the column's own sampler side
+        assert total["k_estimators_valid"] and s["sources"]["accelerator"]["k_estimators_valid"]
+        assert not s["sources"]["precision"]["k_estimators_valid"]
+
+
+def test_exact_kl_per_position_equals_a_float64_reference(nvfp4):
+    result, rollout, full, exact = nvfp4
+    pw = int(rollout.meta["prompt_width"])
+    ids = rollout.token_ids[:, pw:]
+    mask = rollout.completion_mask[:, pw:].bool()
+    b, n = ids.shape
+    assert all(rows.shape[:2] == (b, n) for rows in full.values())
+    # the rows line up with the tokens: at each sampled token they give its log-prob
+    at = {k: rows.gather(-1, ids[..., None])[..., 0] for k, rows in full.items()}
+    assert torch.allclose(at["sampler"][mask], rollout.sampler_logprobs[:, pw:][mask],
+                          atol=1e-5)
+    m = mask.double()
+    for name, (ref, other) in SPLIT.items():
+        want = _reference_kl(full[other], full[ref]) * m  # [B, n] float64
+        got = exact[name][:, :n] * m
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-9), \
+            (name, float((got - want).abs().max()))
+        per_pos = want.sum(0) / m.sum(0)
+        assert result.per_position[name][:n] == pytest.approx(per_pos.tolist(), rel=1e-4,
+                                                              abs=1e-9), name
+        col = result.summary["total"] if name == "total" else result.summary["sources"][name]
+        assert col["kl_exact"] == pytest.approx(float(want.sum() / m.sum()), rel=1e-4), name
+        assert col["kl_exact_ci95"][0] <= col["kl_exact"] <= col["kl_exact_ci95"][1], name
+
+
+def test_bf16_precision_column_is_exactly_zero():
+    s = run_probe(ProbeConfig(gpu="a100", dtype="bf16", **SMALL)).summary
+    p = s["sources"]["precision"]
+    assert p["kl_exact"] == 0 and p["kl_exact_ci95"] == [0.0, 0.0]  # the trainer's own formats
+    assert s["total"]["kl_exact"] > 0  # the decode path and FA2 tiling still differ
+    assert s["sources"]["accelerator"]["kl_exact"] == pytest.approx(s["total"]["kl_exact"])
