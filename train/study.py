@@ -278,8 +278,8 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
         todo.append((cell, state == "resume"))
     # seed by seed (a partial study holds whole seeds); in each, the central comparison first
     # (uncorrected vs SC+MIS), then the on-policy controls, then the single corrections; the
-    # slowest fleet first among equals
-    rank = {f: i for i, f in enumerate(sorted({*cfg.fleets, *cfg.sync_fleets}, reverse=True))}
+    # fastest fleet first among equals (a sitting that ends mid-grid leaves whole runs)
+    rank = {f: i for i, f in enumerate(sorted({*cfg.fleets, *cfg.sync_fleets}))}
 
     def order(c: Cell) -> tuple:
         central = 0 if c.arm in ("grpo", "sc+mis") and c.staleness is not None else (
