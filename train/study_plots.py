@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from .study import FLEETS, Cell, StudyConfig
-from .study_report import _WINDOW, _panels, _trailing, cell_runs
+from .study_summary import _WINDOW, _panels, _trailing, cell_runs
 
 __all__ = ["plot_study"]
 

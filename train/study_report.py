@@ -1,19 +1,10 @@
-"""The study's report: each run summarized from its logs, the study's claims answered with
-intervals, curves, the per-cell table and the monitor's lead times (`aggregate`).
-
-Definitions (every figure in the report uses them):
-
-- accuracy: reward of the training batches (1 for a correct submit), a 5-step trailing mean;
-- collapsed: that mean fell to half the mean of the first 3 steps, or below (`halved_step`);
-- held-out reward: `mismatch train --eval-tasks` on tasks never trained on, at temperature 1
-  under the trainer's numerics, before the first step, midway and after the last;
-- KL growth: the highest 5-step KL mean over the median KL of the first 5 steps;
-- intervals: 95% t-intervals over seeds for means, Clopper–Pearson for shares of runs.
+"""The study's report: the study's claims answered with intervals, curves, the per-cell table,
+the monitor's lead times and every run (`aggregate`); the runs' summaries and the definitions
+of every figure are in study_summary.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -21,101 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from .study import ARMS, FLEETS, Cell, StudyConfig, cells
+from .study_summary import (_WINDOW, _ci95, _lag, _panels, _share, cell_runs,
+                            summarize_run)
 
 __all__ = ["aggregate", "summarize_run"]
 
-_WINDOW = 5
-"""Steps of the trailing moving average that accuracy, halving and the end values use."""
+
 STUDY_KL_RATIO = 4.7
 """The reference study's L2/L0 sampler–trainer KL ratio (reference/: mixed vs homogeneous)."""
-
-
-def _trailing(xs: list[float], w: int = _WINDOW) -> list[float]:
-    out = []
-    for i in range(len(xs)):
-        part = [x for x in xs[max(0, i - w + 1):i + 1] if x is not None and math.isfinite(x)]
-        out.append(sum(part) / len(part) if part else float("nan"))
-    return out
-
-
-def _ci95(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t-interval (nan with fewer than two values)."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if not vals:
-        return float("nan"), float("nan")
-    mean = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return mean, float("nan")
-    from scipy import stats
-
-    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
-    return mean, float(stats.t.ppf(0.975, len(vals) - 1)) * sd / math.sqrt(len(vals))
-
-
-def _share(k: int, n: int) -> str:
-    """`k/n` with its 95% Clopper–Pearson interval."""
-    from scipy import stats
-
-    lo = 0.0 if k == 0 else float(stats.beta.ppf(0.025, k, n - k + 1))
-    hi = 1.0 if k == n else float(stats.beta.ppf(0.975, k + 1, n - k))
-    return f"{k}/{n} [{lo:.2f}, {hi:.2f}]"
-
-
-def _heldout(run: Path) -> dict[str, float]:
-    """{"base", "mid", "final"} held-out reward of a run's eval.json (those it holds)."""
-    path = run / "eval.json"
-    if not path.exists():
-        return {}
-    ev = json.loads(path.read_text())
-    out = {k: ev[k]["reward"] for k in ("base", "final") if k in ev}
-    during = ev.get("during") or {}
-    if during:
-        out["mid"] = during[min(during, key=int)]["reward"]
-    return out
-
-
-def summarize_run(run: Path) -> dict[str, Any] | None:
-    """One run's curves and the figures the study compares (None if it logged nothing)."""
-    from .trainer import read_metrics
-
-    recs = read_metrics(run / "metrics.jsonl")
-    if not recs:
-        return None
-    alerts = read_metrics(run / "alerts.jsonl")
-    reward = [r["reward"] for r in recs]
-    kl = [r["kl"] for r in recs]
-    fmt = [r["format_error_rate"] for r in recs]
-    acc = _trailing(reward)
-    base = sum(reward[:3]) / len(reward[:3])
-    halved = next((recs[i]["step"] for i, a in enumerate(acc)
-                   if i >= _WINDOW - 1 and a <= 0.5 * base), None)
-    critical = [a for a in alerts if a.get("severity") == "critical"]
-    first_critical = min((a["step"] for a in critical), default=None)
-    early_kl = sorted(kl[:_WINDOW])[len(kl[:_WINDOW]) // 2]
-    end = slice(-_WINDOW, None)
-    kl_max = max(_trailing(kl))
-    # the collapse signature, judged up to 5 steps after the halving (or over the run)
-    upto = len(recs) if halved is None else min(len(recs), halved + _WINDOW)
-    return {
-        "steps": [r["step"] for r in recs], "reward": reward, "kl": kl,
-        "format_error_rate": fmt, "accuracy": acc,
-        "base": base, "final": sum(reward[end]) / len(reward[end]),
-        "peak": max(a for a in acc[_WINDOW - 1:] or acc),
-        "kl_first": kl[0], "kl_early": early_kl, "kl_end": sum(kl[end]) / len(kl[end]),
-        "kl_max": kl_max,
-        "kl_growth": (kl_max / early_kl) if early_kl > 0 else float("nan"),
-        "kl_growth_at_collapse": (max(_trailing(kl)[:upto]) / early_kl) if early_kl > 0
-        else float("nan"),
-        "format_end": sum(fmt[end]) / len(fmt[end]), "format_max": max(_trailing(fmt)),
-        "format_at_collapse": max(_trailing(fmt)[:upto]),
-        "format_early": sum(fmt[:_WINDOW]) / len(fmt[:_WINDOW]),
-        "halved_step": halved, "first_critical": first_critical,
-        "critical_alerts": len(critical), "alert_signals": sorted({a["signal"] for a in critical}),
-        "group_kl_first": recs[0].get("group_kl", {}),
-        "mis_masked_end": sum(r.get("mis_masked_fraction", 0.0) for r in recs[end]) / len(
-            recs[end]),
-        "heldout": _heldout(run),
-    }
 
 
 def _fmt_ci(mean: float, half: float, digits: int = 2) -> str:
@@ -154,45 +58,37 @@ def aggregate(cfg: StudyConfig, out: Path, report: Path, *, command: str = "",
     return report
 
 
-def cell_runs(runs: dict[Cell, dict], fleet: str, k: int | None, arm: str) -> list[dict]:
-    """The runs of one (fleet, staleness, arm) cell, by seed (k None: the on-policy control)."""
-    return [runs[c] for c in sorted(runs, key=lambda c: c.seed)
-            if (c.fleet, c.staleness, c.arm) == (fleet, k, arm)]
-
-
-def _lag(k: int | None) -> str:
-    return "sync" if k is None else str(k)
-
-
-def _panels(cfg: StudyConfig) -> list[tuple[str, int | None, tuple[str, ...]]]:
-    """(fleet, staleness, arms) of every group of cells, the controls last."""
-    return ([(f, k, cfg.arms) for f in cfg.fleets for k in cfg.staleness]
-            + [(f, None, cfg.sync_arms) for f in cfg.sync_fleets if cfg.sync_arms])
-
-
 def _halving(rs: list[dict], steps: int) -> str:
     """Halving steps, and their mean ± interval counting a run that never halved at `steps`."""
     at = [r["halved_step"] for r in rs]
     if all(x is None for x in at):
-        return f"never (all {len(at)} ran {steps} steps)"
+        return f"never in {steps} steps"
     censored = _ci95([steps if x is None else x for x in at])
     return f"at step {_steps_list(at)} (mean {_fmt_ci(*censored, digits=0)}, never = {steps})"
+
+
+def _complete(cfg: StudyConfig, runs: dict[Cell, dict]) -> dict[Cell, dict]:
+    """The runs that reached the grid's steps: the claims are judged on these alone."""
+    return {c: r for c, r in runs.items() if r["steps"][-1] >= cfg.steps}
 
 
 def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
     """The study's claims, each answered from the runs (numbers and intervals, not adjectives)."""
     lines: list[str] = []
-    if cfg.sync_arms:
-        lines.append("On-policy controls (`--sync`, no staleness): does training raise the "
-                     "held-out reward?")
-        for f in cfg.sync_fleets:
-            for arm in cfg.sync_arms:
-                rs = cell_runs(runs, f, None, arm)
-                if rs:
-                    lines.append(f"- {f} {arm}: {_heldout_line(rs)}.")
-        lines.append("")
+    partial = sorted(f"{c.name} (step {r['steps'][-1]})" for c, r in runs.items()
+                     if r["steps"][-1] < cfg.steps)
+    started, runs = runs, _complete(cfg, runs)
+    lines.append(f"Judged on the {len(runs)} run(s) that reached step {cfg.steps}"
+                 + (f"; still running or stopped early, shown in the tables and curves only: "
+                    f"{', '.join(partial)}" if partial else "") + ".")
+    lines.append("")
+    controls = [f"- {f} {arm}: {_heldout_line(cell_runs(runs, f, None, arm))}."
+                for f in cfg.sync_fleets for arm in cfg.sync_arms
+                if cell_runs(runs, f, None, arm)]
+    if controls:
+        lines += ["On-policy controls (`--sync`, no staleness): does training raise the held-out "
+                  "reward?", *controls, ""]
     for k in cfg.staleness:
-        lines.append(f"Forced staleness {k}:")
         verdict = {}
         for arm in cfg.arms:
             for f in cfg.fleets:
@@ -200,6 +96,9 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                 if rs:
                     n = sum(r["halved_step"] is not None for r in rs)
                     verdict[f, arm] = (n, len(rs), rs)
+        if not verdict:
+            continue
+        lines.append(f"Forced staleness {k}:")
         if any(a == "grpo" for _, a in verdict):
             parts = [f"{f} {_share(n, t)}, {_halving(rs, cfg.steps)}"
                      for (f, a), (n, t, rs) in verdict.items() if a == "grpo"]
@@ -225,7 +124,8 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                              f"; held-out {_heldout_line(rs)}")
             ask = ("alone: collapse delayed rather than avoided?" if single
                    else "stable to the end?")
-            lines.append(f"- {arm} {ask} " + " — ".join(parts) + ".")
+            if parts:
+                lines.append(f"- {arm} {ask} " + " — ".join(parts) + ".")
         collapsed = [r for c, r in runs.items() if c.staleness == k
                      and r["halved_step"] is not None]
         if collapsed:
@@ -239,7 +139,7 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                 f"(≥ 50% and ≥ 3× the first steps, {_WINDOW}-step mean) ending on format errors "
                 f"in {_share(fmt, len(collapsed))}.")
         lines.append("")
-    lines += _kl_ratio(cfg, runs)
+    lines += _kl_ratio(cfg, started)  # step 1: every run that logged one
     return lines
 
 
@@ -265,17 +165,26 @@ def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                  for f in ("L0", "L2")}
         if not (first["L0"] and first["L2"]):
             continue
-        logs = {f: [math.log(v) for v in first[f] if v > 0] for f in first}
+        # at step 1 every arm of a seed holds the same weights and the same episodes: one value
+        # per seed (the mean over its arms), the interval over seeds
+        logs = {}
+        for f in ("L0", "L2"):
+            per_seed: dict[int, list[float]] = {}
+            for c, r in runs.items():
+                if c.fleet == f and pick(c.arm) and r["kl_first"] > 0:
+                    per_seed.setdefault(c.seed, []).append(math.log(r["kl_first"]))
+            logs[f] = [sum(v) / len(v) for v in per_seed.values()]
         m0, h0 = _ci95(logs["L0"])
         m2, h2 = _ci95(logs["L2"])
-        half = math.sqrt((h0 if math.isfinite(h0) else 0) ** 2
-                         + (h2 if math.isfinite(h2) else 0) ** 2)
+        half = math.sqrt(h0 ** 2 + h2 ** 2)  # nan with a single seed on either side
         ratio = math.exp(m2 - m0)
+        spread = (f"95% interval {math.exp(m2 - m0 - half):.1f}–"
+                  f"{math.exp(m2 - m0 + half):.1f}×" if math.isfinite(half)
+                  else "no interval from a single seed")
         lines.append(f"- L2/L0 sampler–trainer KL at step 1, {mode}: "
-                     f"{math.exp(m2):.2e} / {math.exp(m0):.2e} = {ratio:.1f}× "
-                     f"(95% interval {math.exp(m2 - m0 - half):.1f}–"
-                     f"{math.exp(m2 - m0 + half):.1f}× over {len(logs['L2'])} and "
-                     f"{len(logs['L0'])} runs; the study: {STUDY_KL_RATIO}×).")
+                     f"{math.exp(m2):.2e} / {math.exp(m0):.2e} = {ratio:.1f}× ({spread}, "
+                     f"{len(logs['L2'])} and {len(logs['L0'])} seed(s); geometric means; the "
+                     f"study: {STUDY_KL_RATIO}×).")
     return lines
 
 

@@ -1,0 +1,131 @@
+"""The study's runs summarized from their logs (`summarize_run`): curves, the collapse test,
+the held-out reward, and the small statistics the report and the plots share.
+
+Definitions (every figure in the report uses them):
+
+- accuracy: reward of the training batches (1 for a correct submit), a 5-step trailing mean;
+- collapsed: that mean fell to half the mean of the first 3 steps, or below (`halved_step`);
+- held-out reward: `mismatch train --eval-tasks` on tasks never trained on, at temperature 1
+  under the trainer's numerics, before the first step, midway and after the last;
+- KL growth: the highest 5-step KL mean over the median KL of the first 5 steps;
+- intervals: 95% t-intervals over seeds for means, Clopper–Pearson for shares of runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .study import Cell, StudyConfig
+
+__all__ = ["summarize_run", "cell_runs"]
+
+
+_WINDOW = 5
+"""Steps of the trailing moving average that accuracy, halving and the end values use."""
+
+
+def _trailing(xs: list[float], w: int = _WINDOW) -> list[float]:
+    out = []
+    for i in range(len(xs)):
+        part = [x for x in xs[max(0, i - w + 1):i + 1] if x is not None and math.isfinite(x)]
+        out.append(sum(part) / len(part) if part else float("nan"))
+    return out
+
+
+def _ci95(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval (nan with fewer than two values)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    mean = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, float("nan")
+    from scipy import stats
+
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+    return mean, float(stats.t.ppf(0.975, len(vals) - 1)) * sd / math.sqrt(len(vals))
+
+
+def _share(k: int, n: int) -> str:
+    """`k/n` with its 95% Clopper–Pearson interval."""
+    from scipy import stats
+
+    lo = 0.0 if k == 0 else float(stats.beta.ppf(0.025, k, n - k + 1))
+    hi = 1.0 if k == n else float(stats.beta.ppf(0.975, k + 1, n - k))
+    return f"{k}/{n} [{lo:.2f}, {hi:.2f}]"
+
+
+def _heldout(run: Path) -> dict[str, float]:
+    """{"base", "mid", "final"} held-out reward of a run's eval.json (those it holds)."""
+    path = run / "eval.json"
+    if not path.exists():
+        return {}
+    ev = json.loads(path.read_text())
+    out = {k: ev[k]["reward"] for k in ("base", "final") if k in ev}
+    during = ev.get("during") or {}
+    if during:
+        out["mid"] = during[min(during, key=int)]["reward"]
+    return out
+
+
+def summarize_run(run: Path) -> dict[str, Any] | None:
+    """One run's curves and the figures the study compares (None if it logged nothing)."""
+    from .trainer import read_metrics
+
+    recs = read_metrics(run / "metrics.jsonl")
+    if not recs:
+        return None
+    alerts = read_metrics(run / "alerts.jsonl")
+    reward = [r["reward"] for r in recs]
+    kl = [r["kl"] for r in recs]
+    fmt = [r["format_error_rate"] for r in recs]
+    acc = _trailing(reward)
+    base = sum(reward[:3]) / len(reward[:3])
+    halved = next((recs[i]["step"] for i, a in enumerate(acc)
+                   if i >= _WINDOW - 1 and a <= 0.5 * base), None)
+    critical = [a for a in alerts if a.get("severity") == "critical"]
+    first_critical = min((a["step"] for a in critical), default=None)
+    early_kl = sorted(kl[:_WINDOW])[len(kl[:_WINDOW]) // 2]
+    end = slice(-_WINDOW, None)
+    kl_max = max(_trailing(kl))
+    # the collapse signature, judged up to 5 steps after the halving (or over the run)
+    upto = len(recs) if halved is None else min(len(recs), halved + _WINDOW)
+    return {
+        "steps": [r["step"] for r in recs], "reward": reward, "kl": kl,
+        "format_error_rate": fmt, "accuracy": acc,
+        "base": base, "final": sum(reward[end]) / len(reward[end]),
+        "peak": max(a for a in acc[_WINDOW - 1:] or acc),
+        "kl_first": kl[0], "kl_early": early_kl, "kl_end": sum(kl[end]) / len(kl[end]),
+        "kl_max": kl_max,
+        "kl_growth": (kl_max / early_kl) if early_kl > 0 else float("nan"),
+        "kl_growth_at_collapse": (max(_trailing(kl)[:upto]) / early_kl) if early_kl > 0
+        else float("nan"),
+        "format_end": sum(fmt[end]) / len(fmt[end]), "format_max": max(_trailing(fmt)),
+        "format_at_collapse": max(_trailing(fmt)[:upto]),
+        "format_early": sum(fmt[:_WINDOW]) / len(fmt[:_WINDOW]),
+        "halved_step": halved, "first_critical": first_critical,
+        "critical_alerts": len(critical), "alert_signals": sorted({a["signal"] for a in critical}),
+        "group_kl_first": recs[0].get("group_kl", {}),
+        "mis_masked_end": sum(r.get("mis_masked_fraction", 0.0) for r in recs[end]) / len(
+            recs[end]),
+        "heldout": _heldout(run),
+    }
+
+
+def cell_runs(runs: dict[Cell, dict], fleet: str, k: int | None, arm: str) -> list[dict]:
+    """The runs of one (fleet, staleness, arm) cell, by seed (k None: the on-policy control)."""
+    return [runs[c] for c in sorted(runs, key=lambda c: c.seed)
+            if (c.fleet, c.staleness, c.arm) == (fleet, k, arm)]
+
+
+def _lag(k: int | None) -> str:
+    return "sync" if k is None else str(k)
+
+
+def _panels(cfg: StudyConfig) -> list[tuple[str, int | None, tuple[str, ...]]]:
+    """(fleet, staleness, arms) of every group of cells, the controls last."""
+    return ([(f, k, cfg.arms) for f in cfg.fleets for k in cfg.staleness]
+            + [(f, None, cfg.sync_arms) for f in cfg.sync_fleets if cfg.sync_arms])
