@@ -2,7 +2,8 @@
 
 - `mismatch.integrations.trl`: a transformers `TrainerCallback` (TRL's trainers are transformers
   Trainers) that appends each log as one JSON line.
+- `mismatch.integrations.verl`: the correction arms as verl policy losses; importing it registers
+  them, so it imports verl at once (verl imports it in turn, through the project's entry point).
 
-Each module imports its framework only when its hook is first used, so `import mismatch` works
-without them.
+`mismatch` itself imports neither: `import mismatch` works without the frameworks.
 """
