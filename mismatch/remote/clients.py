@@ -57,6 +57,7 @@ import concurrent.futures as cf
 import http.client
 import json
 import math
+import re
 import socket
 import threading
 import time
@@ -99,8 +100,10 @@ _RETRYABLE_OS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
 def _server_message(raw: bytes) -> str:
-    """The human part of an error body: vLLM's {"error": {"message"}} or {"message"},
-    FastAPI's {"detail"}, else the text itself (shortened)."""
+    """The human part of an error body: vLLM's and SGLang's {"error": {"message"}}, SGLang's
+    {"error": "text"} (sampling-params errors) and {"object": "error", "message"} (request
+    validation, followed by a traceback, which is dropped), FastAPI's {"detail"}, else the text
+    itself (shortened)."""
     text = raw.decode("utf-8", "replace").strip()
     try:
         body = json.loads(text)
@@ -116,6 +119,7 @@ def _server_message(raw: bytes) -> str:
             text = str(body["message"])
         elif body.get("detail"):
             text = str(body["detail"])
+    text = re.split(r'\n\s*File "', text, maxsplit=1)[0]  # a traceback after the message
     text = " ".join(text.split())
     return (text[:300] + "…") if len(text) > 300 else (text or "(empty body)")
 
@@ -134,6 +138,8 @@ class SamplerClient(abc.ABC):
 
     engine = "remote"
     engine_name = "remote"
+    _crash_hint = ""
+    """Appended to the error for a server that went down during a request."""
 
     def __init__(self, base_url: str, *, timeout: float = 60.0, max_concurrency: int = 8,
                  attempts: int = 3, backoff: float = 0.5, pad_id: int = 0,
@@ -210,6 +216,10 @@ class SamplerClient(abc.ABC):
                                   f"{message} (fix the request or the server's settings)") from None
             except urllib.error.URLError as e:
                 reason = e.reason
+                if isinstance(reason, ConnectionRefusedError) and last.startswith("connection"):
+                    raise RemoteError(f"sampler {self.label} dropped the connection for {what} "
+                                      f"and then refused new ones: the server went down while "
+                                      f"answering it; check its log{self._crash_hint}") from None
                 if isinstance(reason, ConnectionRefusedError):
                     raise RemoteError(f"sampler {self.label} refused the connection; is the "
                                       f"server running? (start it, or check --sampler)") from None
@@ -274,6 +284,9 @@ class SamplerClient(abc.ABC):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, and no empty prompt")
         prompts = [[int(t) for t in p] for p in prompts]
+        if any(t < 0 for p in prompts for t in p):
+            raise ValueError("a prompt holds a negative token id; token ids are >= 0 (an SGLang "
+                             "server exits on one)")
         kwargs = dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                       top_p=params.top_p, top_k=params.top_k, candidates=params.candidates,
                       ignore_eos=bool(ignore_eos))
@@ -508,6 +521,12 @@ class SglangClient(SamplerClient):
 
     engine = "sglang"
     engine_name = "SGLang"
+    # SGLang 0.5.23 does not check prompt ids against the vocabulary: an id >= vocab_size makes
+    # the scheduler raise (IndexError in the embedding) and the server exit (seen on a real
+    # server; the check exists only for token_ids_logprob, sgl-project/sglang@v0.5.23:
+    # python/sglang/srt/managers/tokenizer_manager.py)
+    _crash_hint = (" (SGLang exits on a prompt id outside its vocabulary: is --model the "
+                   "served model's tokenizer?)")
 
     def __init__(self, base_url: str, *, original_logprob: bool = False, send_seed: bool = True,
                  **kwargs):
