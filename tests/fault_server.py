@@ -1,4 +1,5 @@
-"""A real local HTTP server that answers like vLLM / SGLang, or fails in one chosen way.
+"""A stand-in for vLLM / SGLang: a local HTTP server that answers in their formats, or fails in
+one chosen way (the faults a real engine cannot be made to produce on demand).
 
     python tests/fault_server.py --mode MODE --port P [--delay S] [--fault-token ID]
 

@@ -28,7 +28,8 @@ vLLM, OpenAI-compatible `POST /v1/completions`
   model:   `GET /v1/models` → {data: [{id: ...}]}; tokenizer: `POST /tokenize`
            {prompt, add_special_tokens} → {tokens, count, max_model_len}.
 
-SGLang, native `POST /generate`
+SGLang, native `POST /generate` (paths in sgl-project/sglang@v0.5.23; the format below was
+checked against a real 0.5.23 server in tests/test_engine_sglang.py)
   request  (python/sglang/srt/managers/io_struct.py, GenerateReqInput): `input_ids`,
            `sampling_params` {max_new_tokens, temperature, top_p, top_k (-1: off), min_p,
            penalties, sampling_seed} (python/sglang/srt/sampling/sampling_params.py),
@@ -46,6 +47,11 @@ SGLang, native `POST /generate`
            shape as vLLM's) where it exists; older servers answer 404 and the prompt's ids come
            from `/generate` with `text` and `logprob_start_len: 0` (meta_info.input_token_logprobs).
   seeds:   SGLang honours `sampling_seed` only under --enable-deterministic-inference.
+  errors:  HTTP 400 with {"error": {"message"}} (context overflow, bad sampling params),
+           {"error": "text"} (unknown sampling field) or {"object": "error", "message": text +
+           traceback} (request validation). Not rejected but fatal to the server: a prompt id
+           outside the vocabulary, top_logprobs_num above the vocabulary size (the connection
+           drops, then nothing listens).
 
 Every failure is a `RemoteError`: one line saying what happened and what to do.
 """
