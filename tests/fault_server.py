@@ -1,11 +1,13 @@
-"""A real local HTTP server that answers like vLLM / SGLang, or fails in one chosen way.
+"""A stand-in for vLLM / SGLang: a local HTTP server that answers in their formats, or fails in
+one chosen way (the faults a real engine cannot be made to produce on demand).
 
     python tests/fault_server.py --mode MODE --port P [--delay S] [--fault-token ID]
 
 Binds 127.0.0.1 (port 0: a free one) and prints "READY <port>" once listening. Every mode serves
 vLLM's `GET /v1/models`, `POST /tokenize`, `POST /v1/completions` and SGLang's `POST /generate`,
-in the formats the engines' sources define (see mismatch/remote/clients.py), plus `GET /stats`
-({"requests", "max_inflight", "tokenize"}: generation requests seen, most at once).
+in the formats the engines' sources define (see mismatch/remote/vllm_client.py and
+sglang_client.py), plus `GET /stats` ({"requests", "max_inflight", "tokenize"}: generation
+requests seen, most at once).
 
 Modes: vllm-ok, sglang-ok (answer correctly), sglang-no-tokenize (no /tokenize: 404, as older
 SGLang), hang (accept, never answer), http500 (generation always 500), http500-then-ok (the
@@ -86,6 +88,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, body, raw: bytes | None = None):
         data = raw if raw is not None else json.dumps(body).encode()
+        self._done()  # before the answer leaves: the client may send its next request at once
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -138,6 +141,7 @@ class Handler(BaseHTTPRequestHandler):
             n = s.requests
             s.inflight += 1
             s.max_inflight = max(s.max_inflight, s.inflight)
+        self._in_flight = True
         try:
             if s.delay:
                 time.sleep(s.delay)
@@ -150,8 +154,14 @@ class Handler(BaseHTTPRequestHandler):
                 return self._vllm(body)
             return self._sglang(body)
         finally:
-            with s.lock:
-                s.inflight -= 1
+            self._done()
+
+    def _done(self):
+        """The request no longer counts as in flight (once per counted request)."""
+        if getattr(self, "_in_flight", False):
+            self._in_flight = False
+            with self.state.lock:
+                self.state.inflight -= 1
 
     def _faulty(self, prompt: list[int]) -> bool:
         s = self.state

@@ -1,5 +1,7 @@
-"""`mismatch qualify --sampler URL` against real local server processes (tests/fault_server.py:
-vLLM's and SGLang's response formats, and every fault). The trainer side is the embedded model."""
+"""`mismatch qualify --sampler URL` against a stand-in server process (tests/fault_server.py:
+vLLM's and SGLang's response formats, and every fault, including those no real engine can be made
+to produce on demand). The trainer side is the embedded model. The command against real vLLM and
+SGLang servers: tests/test_engine_vllm.py, tests/test_engine_sglang.py."""
 
 from __future__ import annotations
 

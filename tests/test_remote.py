@@ -1,4 +1,8 @@
-"""Remote samplers against a real local HTTP server (tests/fault_server.py) in each failure mode.
+"""Remote samplers against a stand-in server (tests/fault_server.py) in each failure mode.
+
+A stand-in, because a real engine cannot be made to hang, answer 5xx and recover, send invalid
+JSON, drop or shorten its log-probs, or lack /tokenize on demand. The real servers (vLLM's CPU
+build, SGLang) run in tests/test_engine_vllm.py and tests/test_engine_sglang.py.
 
 Every fault must surface as one RemoteError line; the happy paths must lay the server's answer
 out exactly as the emulated sampler lays out its own. Each server is a subprocess on a free
@@ -268,3 +272,20 @@ def test_canary_catches_log_probs_that_do_not_fit(serve, tokenizer, mode, expect
     with pytest.raises(RemoteError) as e:
         run_canary(VllmClient(url, **FAST), tokenizer)
     assert expect in one_line(e)
+
+
+@pytest.mark.parametrize("body, expect", [
+    # the three error bodies a real SGLang 0.5.23 server sent (tests/test_engine_sglang.py)
+    ({"error": {"message": "The input (1100 tokens) is longer than the model's context length "
+                           "(1024 tokens)."}}, "The input (1100 tokens) is longer than"),
+    ({"error": "unknown field `bogus`, expected one of `max_new_tokens`"}, "unknown field `bogus`"),
+    ({"object": "error", "message": "1 validation error:\n  {'type': 'json_invalid'}\n\n  File "
+      "\"/x/sglang/srt/entrypoints/http_server.py\", line 928, in generate_request\n    POST "
+      "/generate", "type": "Bad Request", "code": 400},
+     "1 validation error: {'type': 'json_invalid'}"),
+])
+def test_error_bodies_become_one_line_without_tracebacks(body, expect):
+    from mismatch.remote.clients import _server_message
+
+    message = _server_message(json.dumps(body).encode())
+    assert message.startswith(expect) and "\n" not in message and "File" not in message

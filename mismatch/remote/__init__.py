@@ -8,7 +8,9 @@
 """
 
 from .canary import CANARY_TEXT, run_canary
-from .clients import RemoteError, SamplerClient, ServerTokens, SglangClient, VllmClient
+from .clients import RemoteError, SamplerClient, ServerTokens
+from .sglang_client import SglangClient
+from .vllm_client import VllmClient
 
 __all__ = ["CANARY_TEXT", "RemoteError", "SamplerClient", "ServerTokens", "SglangClient",
            "VllmClient", "run_canary"]

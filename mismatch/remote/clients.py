@@ -9,43 +9,8 @@ same tokens locally (`mismatch.engines.scorer.score`) and the same metrics apply
 
 Only the standard library speaks HTTP here (urllib.request, json, concurrent.futures).
 
-Schemas implemented (read from the engines' sources):
-
-vLLM, OpenAI-compatible `POST /v1/completions`
-  request  (vllm/entrypoints/openai/completion/protocol.py, CompletionRequest): `prompt` as a
-           list of token ids, `max_tokens`, `temperature`, `top_p`, `top_k` (-1: off), `seed`,
-           `logprobs` (top-K per step; the server caps it at --max-logprobs, default 20),
-           `return_tokens_as_token_ids: true`, plus `min_p`/penalties pinned to neutral so a
-           model's generation_config.json cannot change the distribution behind our back.
-  response (same file, CompletionLogProbs; built in completion/serving.py,
-           _create_completion_logprobs): `choices[0].logprobs` = {tokens: ["token_id:123", ...],
-           token_logprobs: [float, ...] (clamped at -9999.0), top_logprobs: [{"token_id:N": lp}]
-           holding the sampled token and the top-K, so K or K + 1 entries}, `finish_reason`
-           "stop" | "length"; newer servers also return `choices[0].token_ids` (return_token_ids).
-  log-prob mode: `--logprobs-mode`, default "raw_logprobs" (vllm/config/model.py, ModelConfig):
-           raw = before temperature, penalties, top-k/top-p. The server does not report it, so
-           the client records the mode it was told (`logprobs_mode=`), marked as assumed.
-  model:   `GET /v1/models` → {data: [{id: ...}]}; tokenizer: `POST /tokenize`
-           {prompt, add_special_tokens} → {tokens, count, max_model_len}.
-
-SGLang, native `POST /generate`
-  request  (python/sglang/srt/managers/io_struct.py, GenerateReqInput): `input_ids`,
-           `sampling_params` {max_new_tokens, temperature, top_p, top_k (-1: off), min_p,
-           penalties, sampling_seed} (python/sglang/srt/sampling/sampling_params.py),
-           `return_logprob: true`, `logprob_start_len: -1` (output tokens only),
-           `top_logprobs_num`, `return_text_in_logprobs: false`.
-  response (python/sglang/srt/managers/tokenizer_manager.py, convert_logprob_style /
-           detokenize_logprob_tokens): {text, output_ids, meta_info: {finish_reason: {type:
-           "stop" | "length" | "abort", ...}, prompt_tokens, completion_tokens,
-           output_token_logprobs: [[logprob, token_id, null], ...], output_top_logprobs:
-           [[[logprob, token_id, null] × K] | null, ...]}}.
-  log-prob mode: python/sglang/srt/layers/sampler.py returns log(softmax(logits / T)) — after
-           temperature, before top-k/top-p — unless the server runs with
-           SGLANG_RETURN_ORIGINAL_LOGPROB (raw, pre-temperature); greedy (T = 0) is raw.
-  tokenizer: `POST /tokenize` (python/sglang/srt/entrypoints/openai/serving_tokenize.py, same
-           shape as vLLM's) where it exists; older servers answer 404 and the prompt's ids come
-           from `/generate` with `text` and `logprob_start_len: 0` (meta_info.input_token_logprobs).
-  seeds:   SGLang honours `sampling_seed` only under --enable-deterministic-inference.
+The engines' clients and the schemas they implement: vllm_client.py (VllmClient),
+sglang_client.py (SglangClient).
 
 Every failure is a `RemoteError`: one line saying what happened and what to do.
 """
@@ -57,6 +22,7 @@ import concurrent.futures as cf
 import http.client
 import json
 import math
+import re
 import socket
 import threading
 import time
@@ -66,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["RemoteError", "SamplerClient", "ServerTokens", "SglangClient", "VllmClient"]
+__all__ = ["RemoteError", "SamplerClient", "ServerTokens"]
 
 
 class RemoteError(ValueError):
@@ -99,8 +65,10 @@ _RETRYABLE_OS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
 def _server_message(raw: bytes) -> str:
-    """The human part of an error body: vLLM's {"error": {"message"}} or {"message"},
-    FastAPI's {"detail"}, else the text itself (shortened)."""
+    """The human part of an error body: vLLM's and SGLang's {"error": {"message"}}, SGLang's
+    {"error": "text"} (sampling-params errors) and {"object": "error", "message"} (request
+    validation, followed by a traceback, which is dropped), FastAPI's {"detail"}, else the text
+    itself (shortened)."""
     text = raw.decode("utf-8", "replace").strip()
     try:
         body = json.loads(text)
@@ -116,6 +84,7 @@ def _server_message(raw: bytes) -> str:
             text = str(body["message"])
         elif body.get("detail"):
             text = str(body["detail"])
+    text = re.split(r'\n\s*File "', text, maxsplit=1)[0]  # a traceback after the message
     text = " ".join(text.split())
     return (text[:300] + "…") if len(text) > 300 else (text or "(empty body)")
 
@@ -134,6 +103,8 @@ class SamplerClient(abc.ABC):
 
     engine = "remote"
     engine_name = "remote"
+    _crash_hint = ""
+    """Appended to the error for a server that went down during a request."""
 
     def __init__(self, base_url: str, *, timeout: float = 60.0, max_concurrency: int = 8,
                  attempts: int = 3, backoff: float = 0.5, pad_id: int = 0,
@@ -210,6 +181,10 @@ class SamplerClient(abc.ABC):
                                   f"{message} (fix the request or the server's settings)") from None
             except urllib.error.URLError as e:
                 reason = e.reason
+                if isinstance(reason, ConnectionRefusedError) and last.startswith("connection"):
+                    raise RemoteError(f"sampler {self.label} dropped the connection for {what} "
+                                      f"and then refused new ones: the server went down while "
+                                      f"answering it; check its log{self._crash_hint}") from None
                 if isinstance(reason, ConnectionRefusedError):
                     raise RemoteError(f"sampler {self.label} refused the connection; is the "
                                       f"server running? (start it, or check --sampler)") from None
@@ -274,6 +249,9 @@ class SamplerClient(abc.ABC):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, and no empty prompt")
         prompts = [[int(t) for t in p] for p in prompts]
+        if any(t < 0 for p in prompts for t in p):
+            raise ValueError("a prompt holds a negative token id; token ids are >= 0 (an SGLang "
+                             "server exits on one)")
         kwargs = dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                       top_p=params.top_p, top_k=params.top_k, candidates=params.candidates,
                       ignore_eos=bool(ignore_eos))
@@ -393,209 +371,3 @@ def _field(obj: Any, key: str, kind: type, label: str, what: str) -> Any:
         raise RemoteError(f"sampler {label} answered {what} without a valid {key!r} field; is it "
                           f"the engine the client expects? (check --sampler and the engine)")
     return obj[key]
-
-
-class VllmClient(SamplerClient):
-    """vLLM's OpenAI-compatible server (`vllm serve`), through `POST /v1/completions`.
-
-    model: the served model name (None: the first one `GET /v1/models` lists). logprobs_mode:
-    the server's `--logprobs-mode` (it does not report it; vLLM's default is raw_logprobs).
-    """
-
-    engine = "vllm"
-    engine_name = "vLLM"
-    _MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
-
-    def __init__(self, base_url: str, model: str | None = None, *,
-                 logprobs_mode: str = "raw_logprobs", **kwargs):
-        base = base_url.rstrip("/")
-        if base.endswith("/v1"):
-            base = base[:-3]
-        super().__init__(base, **kwargs)
-        if logprobs_mode not in self._MODES:
-            raise RemoteError(f"vLLM --logprobs-mode {logprobs_mode} returns logits, not "
-                              f"log-probs; serve with --logprobs-mode raw_logprobs (or "
-                              f"processed_logprobs)")
-        self.logprobs_mode = logprobs_mode
-        self._model = model
-
-    @property
-    def model(self) -> str:
-        if self._model is None:
-            body = self._http("GET", "/v1/models", what="GET /v1/models")
-            data = _field(body, "data", list, self.label, "GET /v1/models")
-            names = [m.get("id") for m in data if isinstance(m, dict) and m.get("id")]
-            if not names:
-                raise RemoteError(f"sampler {self.label} serves no model (GET /v1/models is "
-                                  f"empty); start it with the checkpoint to probe")
-            with self._lock:
-                self._model = self._model or str(names[0])
-        return self._model
-
-    def _describe(self) -> dict:
-        return {"model": self.model}
-
-    def logprob_mode(self, temperature: float) -> tuple[str, str]:
-        return (self._MODES[self.logprobs_mode],
-                f"assumed from --logprobs-mode {self.logprobs_mode} (vLLM's default is "
-                f"raw_logprobs; the server does not report it)")
-
-    def tokenize(self, text: str) -> ServerTokens:
-        body = self._http("POST", "/tokenize", {"model": self.model, "prompt": text,
-                                                "add_special_tokens": False},
-                          what="POST /tokenize")
-        tokens = _field(body, "tokens", list, self.label, "POST /tokenize")
-        return ServerTokens([int(t) for t in tokens], False)
-
-    def _complete(self, index, prompt, *, max_new_tokens, temperature, top_p, top_k, seed,
-                  candidates, ignore_eos):
-        what = f"prompt {index}"
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_new_tokens,
-                "temperature": temperature, "top_p": top_p, "top_k": top_k or -1,
-                "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                "frequency_penalty": 0.0, "ignore_eos": ignore_eos, "seed": seed, "n": 1,
-                "stream": False,
-                "echo": False, "logprobs": candidates, "return_tokens_as_token_ids": True,
-                "return_token_ids": True}
-        answer = self._http("POST", "/v1/completions", body, what=what)
-        choices = _field(answer, "choices", list, self.label, what)
-        if len(choices) != 1 or not isinstance(choices[0], dict):
-            raise RemoteError(f"sampler {self.label} returned {len(choices)} choices for "
-                              f"{what}, 1 asked; check the server")
-        choice = choices[0]
-        lp = choice.get("logprobs")
-        if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"), list):
-            raise RemoteError(f"sampler {self.label} returned no log-probs for {what} though "
-                              f"logprobs={candidates} was asked; is --sampler a vLLM OpenAI "
-                              f"server, not a proxy that drops them?")
-        tokens = lp.get("tokens") or []
-        ids = [self._token_id(t, what) for t in tokens]
-        if isinstance(choice.get("token_ids"), list):
-            if ids and [int(t) for t in choice["token_ids"]] != ids:
-                raise RemoteError(f"sampler {self.label} returned token_ids that differ from its "
-                                  f"log-prob tokens for {what}; check the server version")
-            ids = ids or [int(t) for t in choice["token_ids"]]
-        values = [None if v is None else float(v) for v in lp["token_logprobs"]]
-        cand_ids, cand_lps = [], []
-        for step, top in enumerate(lp.get("top_logprobs") or []):
-            if not isinstance(top, dict):
-                raise RemoteError(f"sampler {self.label} returned no top log-probs at generated "
-                                  f"token {step} of {what}; serve with log-probs enabled")
-            c_ids, c_lps = _top([(self._token_id(k, what), float(v)) for k, v in top.items()])
-            cand_ids.append(c_ids)
-            cand_lps.append(c_lps)
-        return _Completion(ids, values, cand_ids, cand_lps, choice.get("finish_reason"))
-
-    def _token_id(self, token: Any, what: str) -> int:
-        if isinstance(token, str) and token.startswith("token_id:"):
-            try:
-                return int(token[len("token_id:"):])
-            except ValueError:
-                pass
-        raise RemoteError(f"sampler {self.label} returned token text {str(token)[:20]!r} instead "
-                          f"of 'token_id:N' for {what}; this vLLM ignores "
-                          f"return_tokens_as_token_ids (upgrade vLLM)")
-
-
-class SglangClient(SamplerClient):
-    """SGLang's native server (`python -m sglang.launch_server`), through `POST /generate`.
-
-    original_logprob: the server runs with SGLANG_RETURN_ORIGINAL_LOGPROB (raw log-probs at any
-    temperature); otherwise SGLang reports log_softmax(logits / T). send_seed: send
-    `sampling_seed` (servers older than that field reject it; it only takes effect under
-    --enable-deterministic-inference).
-    """
-
-    engine = "sglang"
-    engine_name = "SGLang"
-
-    def __init__(self, base_url: str, *, original_logprob: bool = False, send_seed: bool = True,
-                 **kwargs):
-        super().__init__(base_url, **kwargs)
-        self.original_logprob = bool(original_logprob)
-        self.send_seed = bool(send_seed)
-
-    def logprob_mode(self, temperature: float) -> tuple[str, str]:
-        if self.original_logprob:
-            return "raw", "SGLANG_RETURN_ORIGINAL_LOGPROB set on the server (as told)"
-        if temperature in (0.0, 1.0):
-            return "raw", (f"SGLang reports log_softmax(logits / T), which at temperature "
-                           f"{temperature:g} is the raw distribution")
-        return "temperature-scaled", (f"SGLang reports log_softmax(logits / {temperature:g}) — "
-                                      f"after temperature, before top-k/top-p; serve with "
-                                      f"SGLANG_RETURN_ORIGINAL_LOGPROB=1 for raw")
-
-    def tokenize(self, text: str) -> ServerTokens:
-        body = self._http("POST", "/tokenize", {"prompt": text, "add_special_tokens": False},
-                          what="POST /tokenize", missing_ok=True)
-        if body is not None:
-            tokens = _field(body, "tokens", list, self.label, "POST /tokenize")
-            return ServerTokens([int(t) for t in tokens], False)
-        # no /tokenize (older SGLang): the prompt's ids come back as input-token log-probs
-        what = "POST /generate (text, for the tokenizer check)"
-        answer = self._http("POST", "/generate", {
-            "text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "return_logprob": True, "logprob_start_len": 0, "return_text_in_logprobs": False},
-            what=what)
-        answer = answer[0] if isinstance(answer, list) and answer else answer
-        meta = _field(answer, "meta_info", dict, self.label, what)
-        entries = _field(meta, "input_token_logprobs", list, self.label, what)
-        return ServerTokens([int(e[1]) for e in entries], True)
-
-    def _complete(self, index, prompt, *, max_new_tokens, temperature, top_p, top_k, seed,
-                  candidates, ignore_eos):
-        what = f"prompt {index}"
-        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                    "top_p": top_p, "top_k": top_k or -1, "min_p": 0.0,
-                    "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "ignore_eos": ignore_eos}
-        if self.send_seed:
-            sampling["sampling_seed"] = seed
-        body = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
-                "logprob_start_len": -1, "top_logprobs_num": candidates,
-                "return_text_in_logprobs": False, "stream": False}
-        answer = self._http("POST", "/generate", body, what=what)
-        if isinstance(answer, list):
-            if len(answer) != 1:
-                raise RemoteError(f"sampler {self.label} returned {len(answer)} answers for "
-                                  f"{what}, 1 asked; check the server")
-            answer = answer[0]
-        meta = _field(answer, "meta_info", dict, self.label, what)
-        finish = meta.get("finish_reason")
-        kind = finish.get("type") if isinstance(finish, dict) else finish
-        if kind == "abort":
-            message = finish.get("message") if isinstance(finish, dict) else ""
-            raise RemoteError(f"sampler {self.label} aborted {what}: {message}; check the "
-                              f"server's log")
-        out = meta.get("output_token_logprobs")
-        if not isinstance(out, list):
-            raise RemoteError(f"sampler {self.label} returned no log-probs for {what} though "
-                              f"return_logprob was asked; is --sampler an SGLang server, not a "
-                              f"proxy that drops them?")
-        try:
-            ids = [int(e[1]) for e in out]
-            values = [None if e[0] is None else float(e[0]) for e in out]
-        except (TypeError, IndexError, ValueError):
-            raise RemoteError(f"sampler {self.label} returned output_token_logprobs that are not"
-                              f" [logprob, token_id, text] triples for {what}; check the SGLang "
-                              f"version") from None
-        output_ids = answer.get("output_ids")
-        if isinstance(output_ids, list):
-            output_ids = [int(t) for t in output_ids]
-            if ids and output_ids[:len(ids)] != ids[:len(output_ids)]:
-                raise RemoteError(f"sampler {self.label} returned output_ids that differ from "
-                                  f"its log-prob token ids for {what}; check the server")
-            if len(output_ids) > len(ids):
-                ids = output_ids  # more tokens than log-probs: _finish says so
-        elif isinstance(meta.get("completion_tokens"), int):
-            missing = meta["completion_tokens"] - len(ids)
-            ids = ids + [self.pad_id] * max(missing, 0)  # ditto: _finish counts them
-        cand_ids, cand_lps = [], []
-        for step, top in enumerate(meta.get("output_top_logprobs") or []):
-            if not isinstance(top, list):
-                raise RemoteError(f"sampler {self.label} returned no top log-probs at generated "
-                                  f"token {step} of {what}; check top_logprobs_num support")
-            c_ids, c_lps = _top([(int(e[1]), float(e[0])) for e in top])
-            cand_ids.append(c_ids)
-            cand_lps.append(c_lps)
-        return _Completion(ids, values, cand_ids, cand_lps, kind)

@@ -61,8 +61,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["EngineLaunchError", "default_vllm_venv", "last_log_line", "sglang_available",
-           "sglang_server", "vllm_available", "vllm_command", "vllm_server"]
+__all__ = ["EngineLaunchError", "default_vllm_venv", "last_log_line", "vllm_available",
+           "vllm_command", "vllm_server"]
 
 VLLM_VENV_ENV = "MISMATCH_VLLM_VENV"
 """Environment variable naming the vLLM virtual environment."""
@@ -74,12 +74,14 @@ _MIN_BATCHED_TOKENS = 4096
 _API_SERVER = "vllm.entrypoints.openai.api_server"
 _POLL_S = 0.25
 _LOG_TAIL_BYTES = 64 * 1024
-_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s*)?(?P<level>INFO|WARNING|ERROR|DEBUG|CRITICAL)?"
+_LOG_PREFIX = re.compile(r"^(\[\d{4}-\d\d-\d\d [\d:]+\]\s*)?(\(\w+ pid=\d+\)\s*)?"
+                         r"(?P<level>INFO|WARNING|ERROR|DEBUG|CRITICAL)?"
                          r"(\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]*\]\s*)?")
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\b|\berror\b|Killed|already in use",
                          re.IGNORECASE)
 _NOISE = re.compile(r"^(File |\^|~|warnings\.warn|For further information visit|See https?://|"
-                    r"nanobind|Traceback|\$ )|Warning:|resource_tracker")
+                    r"nanobind|Traceback|\$ |- leaked )|Warning:|resource_tracker|"
+                    r"Ignore import error")
 
 
 class EngineLaunchError(RuntimeError):
@@ -226,9 +228,9 @@ def last_log_line(log_path: str | Path) -> str:
     return lines[-1][:300] if lines else "(empty log)"
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str, path: str = "/v1/models") -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
+        with urllib.request.urlopen(f"{url}{path}", timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -308,9 +310,9 @@ def vllm_server(model_dir: str | Path | None = None, *, venv: str | Path | None 
 @contextlib.contextmanager
 def _serve(cmd: list[str], *, port: int, name: str, log_path: str | Path | None,
            env: dict[str, str], cwd: str | None, timeout_s: float,
-           stop_timeout_s: float) -> Iterator[str]:
+           stop_timeout_s: float, ready_path: str = "/v1/models") -> Iterator[str]:
     """Start `cmd` in its own process group, log to `log_path`, yield the URL once it answers
-    `GET /v1/models`, and stop the whole group on exit."""
+    `GET ready_path` with 200, and stop the whole group on exit."""
     if log_path is None:
         fd, tmp_name = tempfile.mkstemp(prefix=f"{name.lower()}-{port}-", suffix=".log")
         os.close(fd)
@@ -327,7 +329,7 @@ def _serve(cmd: list[str], *, port: int, name: str, log_path: str | Path | None,
                                     start_new_session=True,
                                     preexec_fn=_death_signal_hook())  # noqa: PLW1509 (see there)
         start = time.monotonic()
-        while not _ready(url):
+        while not _ready(url, ready_path):
             if proc.poll() is not None:
                 raise EngineLaunchError(
                     f"{name} server exited with code {proc.returncode} during start-up: "
@@ -341,36 +343,3 @@ def _serve(cmd: list[str], *, port: int, name: str, log_path: str | Path | None,
     finally:
         if proc is not None:
             _stop(proc, stop_timeout_s)
-
-
-def sglang_available() -> bool:
-    """Whether this Python can import SGLang (it runs only on CUDA GPUs)."""
-    import importlib.util
-
-    return importlib.util.find_spec("sglang") is not None
-
-
-@contextlib.contextmanager
-def sglang_server(model_dir: str | Path | None = None, *, port: int | None = None,
-                  dtype: str = "bfloat16", mem_fraction: float = 0.3, timeout_s: float = 600.0,
-                  stop_timeout_s: float = 20.0, log_path: str | Path | None = None,
-                  extra_args: Sequence[str] = ()) -> Iterator[str]:
-    """Serve `model_dir` (None: the embedded model) with SGLang on 127.0.0.1 from this Python
-    (`python -m sglang.launch_server`); yields the base URL once it answers. GPU only."""
-    import sys
-
-    from ..zoo import check_model_dir, default_model_dir
-
-    if not sglang_available():
-        raise EngineLaunchError("SGLang is not installed in this Python (it needs a CUDA GPU); "
-                                "pip install 'sglang[all]' on a GPU machine")
-    model = check_model_dir(model_dir, tokenizer=True) if model_dir is not None \
-        else check_model_dir(default_model_dir())
-    port = _free_port() if port is None else port
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-           "--mem-fraction-static", str(mem_fraction), "--disable-cuda-graph", *extra_args]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    with _serve(cmd, port=port, name="SGLang", log_path=log_path, env=env, cwd=None,
-                timeout_s=timeout_s, stop_timeout_s=stop_timeout_s) as url:
-        yield url

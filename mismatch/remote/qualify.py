@@ -20,7 +20,8 @@ import torch
 from ..probe import ProbeError, _completion_slice, _eos_ids, load_prompts
 from ..qualify import Policy, _result
 from .canary import run_canary
-from .clients import SglangClient, VllmClient
+from .sglang_client import SglangClient
+from .vllm_client import VllmClient
 
 __all__ = ["ENGINES", "qualify_remote"]
 
