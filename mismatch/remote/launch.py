@@ -95,15 +95,20 @@ def _repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def default_vllm_venv() -> Path:
-    """$MISMATCH_VLLM_VENV, else `.venv-vllm` in the repository root (where the setup script
-    puts it), else `.venv-vllm` in the current directory (an installed, non-editable package)."""
-    if os.environ.get(VLLM_VENV_ENV):
-        return Path(os.environ[VLLM_VENV_ENV]).expanduser()
+def engine_venv(variable: str, name: str) -> Path:
+    """$`variable`, else the folder `name` in the repository root (where the engine's setup
+    script puts it), else `name` in the current directory (an installed, non-editable package)."""
+    if os.environ.get(variable):
+        return Path(os.environ[variable]).expanduser()
     root = _repo_root()
     if (root / "pyproject.toml").is_file():
-        return root / ".venv-vllm"
-    return Path.cwd() / ".venv-vllm"
+        return root / name
+    return Path.cwd() / name
+
+
+def default_vllm_venv() -> Path:
+    """$MISMATCH_VLLM_VENV, else `.venv-vllm` (engine_venv)."""
+    return engine_venv(VLLM_VENV_ENV, ".venv-vllm")
 
 
 def _venv_python(venv: str | Path | None) -> Path:

@@ -39,12 +39,11 @@ as for vLLM (launch.py, `_serve`).
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .launch import EngineLaunchError, _free_port, _port_free, _repo_root, _serve, _server_env
+from .launch import EngineLaunchError, _free_port, _port_free, _serve, _server_env, engine_venv
 
 __all__ = ["default_sglang_venv", "sglang_available", "sglang_command", "sglang_server"]
 
@@ -53,14 +52,8 @@ SGLANG_VENV_ENV = "MISMATCH_SGLANG_VENV"
 
 
 def default_sglang_venv() -> Path:
-    """$MISMATCH_SGLANG_VENV, else `.venv-sglang` in the repository root (where the setup script
-    puts it), else `.venv-sglang` in the current directory (an installed, non-editable package)."""
-    if os.environ.get(SGLANG_VENV_ENV):
-        return Path(os.environ[SGLANG_VENV_ENV]).expanduser()
-    root = _repo_root()
-    if (root / "pyproject.toml").is_file():
-        return root / ".venv-sglang"
-    return Path.cwd() / ".venv-sglang"
+    """$MISMATCH_SGLANG_VENV, else `.venv-sglang` (launch.engine_venv)."""
+    return engine_venv(SGLANG_VENV_ENV, ".venv-sglang")
 
 
 def _python(venv: str | Path | None) -> Path:
