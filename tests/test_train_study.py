@@ -67,7 +67,7 @@ def test_ci_grid_runs_each_cell_as_a_process_and_writes_the_report(ci_study):
     assert "mismatch study --preset ci" in text  # the command that regenerates it
     for arm in ("grpo", "sc+mis"):
         assert f"| L2 | 2 | {arm} | 1 |" in text
-    for fig in ("study-reward.png", "study-kl.png", "study-format.png"):
+    for fig in ("study-reward.png", "study-kl.png", "study-format.png", "study-heldout.png"):
         assert (report.parent / fig).stat().st_size > 1000
         assert f"]({fig})" in text
     assert "L2 0/1 [0.00, 0.97]" in text or "L2 1/1 [0.03, 1.00]" in text  # with its interval

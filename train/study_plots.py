@@ -16,14 +16,13 @@ _COLORS = {"grpo": "tab:red", "mis": "tab:orange", "sc": "tab:purple", "sc+mis":
 
 
 def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str) -> list[str]:
-    """Write `<stem>-reward.png`, `-kl.png` and `-format.png` into `folder` (each renamed into
-    place only when whole); returns their names."""
+    """Write `<stem>-reward.png`, `-kl.png`, `-format.png` and (with held-out evaluations)
+    `-heldout.png` into `folder` (each renamed into place only when whole); returns their
+    names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from mismatch.report import save_figure
 
     panels = _panels(cfg)
     names = []
@@ -54,13 +53,56 @@ def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str
             if log:
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7, loc="best")
         axes[0][0].set_ylabel(title, fontsize=9)
         fig.suptitle(f"{title}: mean over seeds, band = min–max (emulated samplers)",
                      fontsize=10)
-        final = folder / f"{stem}-{files[key]}.png"
-        tmp = folder / f".{final.stem}.tmp-{os.getpid()}.png"
-        save_figure(fig, tmp)
-        os.replace(tmp, final)
-        names.append(final.name)
+        names.append(_save(fig, folder / f"{stem}-{files[key]}.png"))
+    if any(r["heldout"] for r in runs.values()):
+        names.append(_heldout_plot(cfg, runs, folder / f"{stem}-heldout.png"))
     return names
+
+
+def _save(fig, final: Path) -> str:
+    from mismatch.report import save_figure
+
+    tmp = final.with_name(f".{final.stem}.tmp-{os.getpid()}.png")  # renamed only when whole
+    save_figure(fig, tmp)
+    os.replace(tmp, final)
+    return final.name
+
+
+def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, dict], final: Path) -> str:
+    """Held-out reward before, midway and after, per arm: mean over seeds, min–max bars."""
+    import matplotlib.pyplot as plt
+
+    panels = _panels(cfg)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False,
+                             sharey=True)
+    points = (("base", 0), ("mid", (cfg.steps + 1) // 2), ("final", cfg.steps))
+    for ax, (fleet, k, arms) in zip(axes[0], panels):
+        for i, arm in enumerate(arms):
+            rs = [r for r in cell_runs(runs, fleet, k, arm) if r["heldout"]]
+            xs, mean, lo, hi = [], [], [], []
+            for key, step in points:
+                vals = [r["heldout"][key] for r in rs if key in r["heldout"]]
+                if vals:
+                    xs.append(step + (i - len(arms) / 2) * cfg.steps / 80)  # side by side
+                    mean.append(sum(vals) / len(vals))
+                    lo.append(mean[-1] - min(vals))
+                    hi.append(max(vals) - mean[-1])
+            if xs:
+                ax.errorbar(xs, mean, yerr=[lo, hi], color=_COLORS.get(arm), marker="o", lw=1.4,
+                            capsize=3, label=arm)
+        lag = "on-policy (sync)" if k is None else f"staleness {k}"
+        ax.set_title(f"{fleet} ({FLEETS[fleet]}), {lag}", fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.set_xlim(-0.06 * cfg.steps, 1.06 * cfg.steps)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+    axes[0][0].set_ylabel("held-out reward (64 tasks × 4, temperature 1)", fontsize=9)
+    fig.suptitle("held-out reward before, midway and after: mean over seeds, bars = min–max "
+                 "(emulated samplers)", fontsize=10)
+    return _save(fig, final)
