@@ -21,7 +21,7 @@
 #   server computes with native torch, but some modules import names from `sgl_kernel` at import
 #   time, and the plain generate path calls one, assign_req_to_token_pool_cpu. The script
 #   installs a small pure-torch `sgl_kernel` (scripts/sgl_kernel_cpu_shim.py) with that function;
-#   any other name is a stub that raises NotImplementedError when called. Enough for a dense
+#   any other name raises a RuntimeError naming it when called. Enough for a dense
 #   model without speculative decoding; not for MoE, quantized or multimodal models.
 set -euo pipefail
 

@@ -5,8 +5,8 @@ SGLang's real CPU kernels are built from its repository's sglang/kernels/aot and
 no index reachable here. On a CPU without AMX the server computes with native torch (attention:
 torch_native), but with `--device cpu` some of its modules import names from `sgl_kernel` at
 import time, and the plain (non-speculative) generate path calls exactly one of them:
-`assign_req_to_token_pool_cpu`, defined below. Every other name resolves to a stub that raises
-NotImplementedError when called (MoE, quantized, speculative and multimodal paths need the real
+`assign_req_to_token_pool_cpu`, defined below. Every other name resolves to a function that raises
+RuntimeError when called (MoE, quantized, speculative and multimodal paths need the real
 package: serve a dense model).
 """
 
@@ -32,12 +32,12 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
 
 
 def _missing(name: str):
-    def stub(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.{name} is not in the pure-torch CPU shim "
+    def unsupported(*args, **kwargs):
+        raise RuntimeError(f"sgl_kernel.{name} is not in the pure-torch CPU shim "
                                   f"(scripts/sgl_kernel_cpu_shim.py): serve a dense model, "
                                   f"without speculative decoding or quantization")
-    stub.__name__ = name
-    return stub
+    unsupported.__name__ = name
+    return unsupported
 
 
 def __getattr__(name: str):

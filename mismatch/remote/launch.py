@@ -120,12 +120,16 @@ def vllm_available(venv: str | Path | None = None) -> bool:
 
     Cheap (no import of vLLM, ~50 ms): it finds the module's file; a broken install still
     fails later, at `vllm_server`, with the log's last line."""
-    python = _venv_python(venv)
-    if not python.exists():
-        return False
     probe = ("import importlib.util as u, pathlib, sys; s = u.find_spec('vllm'); "
              "ok = s is not None and s.origin is not None and (pathlib.Path(s.origin).parent / "
              "'entrypoints' / 'openai' / 'api_server.py').is_file(); sys.exit(0 if ok else 1)")
+    return venv_passes(_venv_python(venv), probe)
+
+
+def venv_passes(python: Path, probe: str) -> bool:
+    """Whether `python` exists and runs the one-line `probe` to exit 0 (within 60 s)."""
+    if not python.exists():
+        return False
     try:
         done = subprocess.run([str(python), "-c", probe], check=False,
                               env=_server_env(python.parent.parent), stdout=subprocess.DEVNULL,

@@ -39,11 +39,11 @@ as for vLLM (launch.py, `_serve`).
 from __future__ import annotations
 
 import contextlib
-import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .launch import EngineLaunchError, _free_port, _port_free, _serve, _server_env, engine_venv
+from .launch import (EngineLaunchError, _free_port, _port_free, _serve, _server_env,
+                     engine_venv, venv_passes)
 
 __all__ = ["default_sglang_venv", "sglang_available", "sglang_command", "sglang_server"]
 
@@ -64,20 +64,11 @@ def sglang_available(venv: str | Path | None = None) -> bool:
     """Whether `venv` (None: `default_sglang_venv()`) has SGLang's server module and the
     `sgl_kernel` shim. Cheap (finds the files, imports nothing heavy); a broken install still
     fails later, at `sglang_server`, with the log's last line."""
-    python = _python(venv)
-    if not python.exists():
-        return False
     probe = ("import importlib.util as u, pathlib, sys; s = u.find_spec('sglang'); "
              "k = u.find_spec('sgl_kernel'); ok = s is not None and k is not None and "
              "s.origin is not None and (pathlib.Path(s.origin).parent / 'launch_server.py')"
              ".is_file(); sys.exit(0 if ok else 1)")
-    try:
-        done = subprocess.run([str(python), "-c", probe], check=False,
-                              env=_server_env(python.parent.parent), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
+    return venv_passes(_python(venv), probe)
 
 
 def sglang_command(model_dir: str | Path, *, venv: str | Path | None = None, port: int,
