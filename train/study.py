@@ -276,15 +276,15 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
         if state == "fresh" and run.exists():
             shutil.rmtree(run)  # killed before its first checkpoint: nothing to keep
         todo.append((cell, state == "resume"))
-    # seed by seed (a partial study holds whole seeds); in each, the central comparison first
-    # (uncorrected vs SC+MIS), then the on-policy controls, then the single corrections; the
-    # fastest fleet first among equals (a sitting that ends mid-grid leaves whole runs)
+    # the central comparison (uncorrected vs SC+MIS) over every seed first, so a sitting that ends
+    # mid-grid still leaves the central claim with a spread over seeds; then the on-policy
+    # controls, then the single corrections; seed by seed in each, the fastest fleet first
     rank = {f: i for i, f in enumerate(sorted({*cfg.fleets, *cfg.sync_fleets}))}
 
     def order(c: Cell) -> tuple:
         central = 0 if c.arm in ("grpo", "sc+mis") and c.staleness is not None else (
             1 if c.staleness is None else 2)
-        return cfg.seeds.index(c.seed), central, rank[c.fleet]
+        return central, cfg.seeds.index(c.seed), rank[c.fleet]
     todo.sort(key=lambda x: order(x[0]))
     total = len(cells(cfg)) * cfg.steps
     running: dict[str, tuple[subprocess.Popen, Path, Any]] = {}
