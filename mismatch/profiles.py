@@ -126,7 +126,7 @@ class NumericsSpec:
     activation_codec: str | None
     """codec activations are quantized to before each linear layer (None: none, W*A16)."""
     accumulation: str
-    """quantize.accumulate preset of the low-precision GEMM ("fp32" for BF16/FP16/Marlin)."""
+    """mismatch.quantize.accumulate preset of the low-precision GEMM ("fp32" for BF16/FP16/Marlin)."""
     kv_codec: str | None
     """codec of the KV cache (None: kept in the compute dtype)."""
     attention: AttentionKernel

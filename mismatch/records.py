@@ -39,7 +39,16 @@ class Rollout:
     """"emulated" or "measured"."""
     routed_experts: torch.Tensor | None = None
     """[B, T, L, k] int64 experts chosen per MoE layer, where recorded."""
+    prompt_width: int = 0
+    """Width of the left-padded prompt block: completions start at column `prompt_width`."""
+    candidate_in_support: torch.Tensor | None = None
+    """[B, T, K] bool, the candidates inside the distribution actually sampled from (the top-p
+    support when sampled with top-p), where the sampler reports it."""
+    full_logprobs: torch.Tensor | None = None
+    """[B, n, V] float32, the sampler's whole raw log-softmax at each of the n completion steps
+    (zeros after a row's end), where asked for."""
     meta: dict = field(default_factory=dict)
+    """What a live engine said about itself (engine, url, log-prob mode): provenance only."""
 
     @property
     def n_tokens(self) -> int:

@@ -7,15 +7,20 @@ is paid again in page faults and zeroing: measured here, widening a [128, 2, 181
 to FP32 took 0.86–3.2 ms with a new allocation and 0.21 ms into memory already mapped.
 `tune_allocator` raises the mmap and trim thresholds so freed memory stays in the heap and is
 reused (the price: the process keeps its peak heap instead of returning it).
+
+`torch_threads(n)` sets torch's intra-op thread count for a block and restores the caller's on
+the way out, so a library call never leaves the process on a thread count it did not choose.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
+from typing import Iterator
 
-__all__ = ["tune_allocator"]
+__all__ = ["torch_threads", "tune_allocator"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -38,3 +43,21 @@ def tune_allocator() -> bool:
         bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
     _DONE = ok
     return ok
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[int]:
+    """Run the block on `n` torch intra-op threads (None or 0: leave the count as it is) and
+    restore the previous count afterwards, even on an exception. Yields the count in effect."""
+    import torch
+
+    held = torch.get_num_threads()
+    if n:
+        if n < 1:
+            raise ValueError(f"thread count must be >= 1, got {n}")
+        torch.set_num_threads(int(n))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        if torch.get_num_threads() != held:
+            torch.set_num_threads(held)

@@ -30,19 +30,19 @@ class Source:
 
 
 SOURCES: dict[str, Source] = {s.name: s for s in (
-    Source("kernels", "probes.kernels", "KernelsProbe", "batch",
+    Source("kernels", "mismatch.probes.kernels", "KernelsProbe", "batch",
            "same precision: batch composition, decode path, attention tiling, split-K, router"),
-    Source("precision", "probes.precision", "PrecisionProbe", "batch",
+    Source("precision", "mismatch.probes.precision", "PrecisionProbe", "batch",
            "weights, + activations, + KV cache for FP16, FP8, MXFP4, NVFP4, W4A16"),
-    Source("accelerator", "probes.accelerator", "AcceleratorProbe", "batch",
+    Source("accelerator", "mismatch.probes.accelerator", "AcceleratorProbe", "batch",
            "the checkpoint on each GPU, and the study's mixed fleet"),
-    Source("routing", "probes.routing", "RoutingProbe", "batch",
+    Source("routing", "mismatch.probes.routing", "RoutingProbe", "batch",
            "MoE expert flips per layer; KL with and without routing replay"),
-    Source("staleness", "probes.staleness", "run", "standalone",
+    Source("staleness", "mismatch.probes.staleness", "run", "standalone",
            "a sampler k AdamW steps behind the trainer, k = 0..8"),
-    Source("retokenization", "probes.retokenization", "run", "standalone",
+    Source("retokenization", "mismatch.probes.retokenization", "run", "standalone",
            "decode→re-encode round trips; multi-turn chat-template re-rendering"),
-    Source("sampling", "probes.sampling", "run", "standalone",
+    Source("sampling", "mismatch.probes.sampling", "run", "standalone",
            "top-p support mismatch; raw vs processed log-probs"),
 )}
 

@@ -30,7 +30,7 @@ from mismatch.profiles import NumericsSpec, resolve, trainer_spec
 from mismatch.records import Rollout
 
 if TYPE_CHECKING:
-    from mismatch.probe import ProbeConfig
+    from mismatch.probes.config import ProbeConfig
 
 __all__ = ["Variant", "Evaluation", "Batch", "ProbeContext", "PairedProbe", "Tally",
            "SourceResult",
@@ -112,7 +112,8 @@ class ProbeContext:
                  progress: Callable[[str, int, int], None] | None = None) -> None:
         from transformers import AutoConfig
 
-        from mismatch.probe import ProbeError, _eos_ids, load_prompts
+        from mismatch.probes.config import ProbeError
+        from mismatch.zoo.prompts import eos_ids, load_prompts
         from mismatch.zoo import check_model_dir, load_model, load_tokenizer
 
         self.cfg = cfg
@@ -141,7 +142,7 @@ class ProbeContext:
         self.is_moe = getattr(config, "num_experts", 0) > 0 or \
             getattr(config, "num_local_experts", 0) > 0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.eos_ids = _eos_ids(self.tokenizer, trainer_model)
+        self.eos_ids = eos_ids(self.tokenizer, trainer_model)
         self.width = cfg.max_new_tokens
         self.batches = [self.prompts[i:i + cfg.batch_size]
                         for i in range(0, len(self.prompts), cfg.batch_size)]
@@ -154,7 +155,7 @@ class ProbeContext:
     def extend_prompts(self, n: int) -> int:
         """Draw up to `n` more held-out prompts (never past --max-prompts) as new batches;
         returns how many were added (0 for a user's prompt file, which has no more)."""
-        from mismatch.probe import load_prompts
+        from mismatch.zoo.prompts import load_prompts
 
         n = min(n, self.cfg.max_prompts - len(self.prompts))
         if self.cfg.prompts is not None or n <= 0:
@@ -226,11 +227,11 @@ class ProbeContext:
 
     def completion(self, rollout: Rollout, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] → the completion positions [B, W, ...]."""
-        return _pad_width(x[:, int(rollout.meta["prompt_width"]):], self.width)
+        return _pad_width(x[:, rollout.prompt_width:], self.width)
 
     def _from_decode(self, rollout: Rollout) -> Evaluation:
         return Evaluation(logprobs=self.completion(rollout, rollout.sampler_logprobs),
-                          full=_pad_width(rollout.meta["full_logprobs"], self.width),
+                          full=_pad_width(rollout.full_logprobs, self.width),
                           routing=rollout.routed_experts)
 
     def evaluate(self, variant: Variant, batch: Batch) -> Evaluation:
@@ -252,7 +253,7 @@ class ProbeContext:
                 raise ValueError("the decode path runs batches as sampled, without replay")
             if variant.path == "reprefill":
                 return self._reprefill(variant, batch)
-            pw = int(ro.meta["prompt_width"])
+            pw = ro.prompt_width
             replayed = self.generate(variant, batch.prompts, forced=ro.token_ids[:, pw:])
             return self._from_decode(replayed)
         spec = variant.spec
@@ -264,7 +265,7 @@ class ProbeContext:
                 router_numerics(model, spec.router_dtype, replay=replay):
             if not variant.alone:
                 s = score(model, ro, with_routing=self.is_moe,
-                          full_from=int(ro.meta["prompt_width"]))
+                          full_from=ro.prompt_width)
                 return Evaluation(logprobs=self.completion(ro, s.logprobs),
                                   full=_pad_width(s.full_logprobs, self.width),
                                   routing=s.routed_experts)
@@ -277,7 +278,7 @@ class ProbeContext:
         from mismatch.engines.numerics import apply_numerics
 
         ro = batch.rollout
-        pw = int(ro.meta["prompt_width"])
+        pw = ro.prompt_width
         spec = variant.spec
         model = self.model(spec.compute_dtype)
         params = self.sampling_params()
@@ -310,7 +311,7 @@ class ProbeContext:
         """Score each sequence by itself (no padding, no neighbours) and put it back in place."""
         from mismatch.engines.scorer import score
 
-        pw = int(ro.meta["prompt_width"])
+        pw = ro.prompt_width
         b, t = ro.token_ids.shape
         lp = torch.zeros(b, t)
         full = None

@@ -44,7 +44,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
-from probes.alerts import SIGNALS, Alert, Sink
+from mismatch.probes.alerts import SIGNALS, Alert, Sink
 
 __all__ = ["SignalRule", "MonitorConfig", "CollapseMonitor", "default_rules",
            "baselines_from", "episode_end_reason", "episode_summary", "FORMAT_ERROR_REASONS"]

@@ -423,7 +423,7 @@ def _sampled(ctx: ProbeContext, on_batch) -> tuple[list[list[int]], list[list[in
             break
         batch = batch[:left]
         ro = ctx.generate(ctx.sampler, batch, seed_offset=b)
-        pw = int(ro.meta["prompt_width"])
+        pw = ro.prompt_width
         for row, prompt in enumerate(batch):
             prompts.append(list(prompt))
             completions.append(ro.token_ids[row, pw:][ro.completion_mask[row, pw:] > 0].tolist())

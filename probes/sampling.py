@@ -50,10 +50,10 @@ def run(ctx: ProbeContext) -> SourceResult:
         ro = ctx.generate(ctx.sampler, batch,
                           params=ctx.sampling_params(top_p=cfg.top_p, seed=cfg.seed + 7919 + i))
         with apply_numerics(model, ctx.trainer, kernels=False):
-            s = score(model, ro, with_routing=False, full_from=int(ro.meta["prompt_width"]))
+            s = score(model, ro, with_routing=False, full_from=ro.prompt_width)
         mask = ctx.completion(ro, ro.completion_mask)
         b, w = mask.shape
-        mu = _pad_width(ro.meta["full_logprobs"], w)  # [B, W, V] the sampler's raw log-softmax
+        mu = _pad_width(ro.full_logprobs, w)  # [B, W, V] the sampler's raw log-softmax
         pi = torch.zeros_like(mu)
         n = min(w, s.full_logprobs.shape[1])
         pi[:, :n] = s.full_logprobs[:, :n]

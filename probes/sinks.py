@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from probes.alerts import SEVERITIES, SIGNALS, Alert
+from mismatch.probes.alerts import SEVERITIES, SIGNALS, Alert
 
 __all__ = ["JsonlSink", "PrometheusSink", "TerminalSink", "WebhookSink",
            "alert_json"]

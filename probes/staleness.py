@@ -202,7 +202,7 @@ def _measure(ctx: ProbeContext, stale: torch.nn.Module, trainer: torch.nn.Module
 def _rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     """Rows of a rollout as if they had been sampled alone: columns that are padding in every
     one of them (left of the longest prompt, right of the longest completion) are dropped."""
-    pw = int(rollout.meta["prompt_width"])
+    pw = rollout.prompt_width
     real = rollout.attention_mask[rows].bool().any(0).nonzero()[:, 0]
     lo, hi = int(real[0]), int(real[-1]) + 1  # lo < pw: every prompt ends at column pw - 1
 
@@ -216,7 +216,7 @@ def _rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
                    sampler_logprobs_processed=cut(rollout.sampler_logprobs_processed),
                    candidate_ids=cut(rollout.candidate_ids),
                    candidate_logprobs=cut(rollout.candidate_logprobs),
-                   routed_experts=None, meta={**rollout.meta, "prompt_width": pw - lo})
+                   routed_experts=None, prompt_width=pw - lo)
 
 
 def _score(ctx: ProbeContext, model: torch.nn.Module, rollout: Rollout) -> Evaluation:
@@ -224,7 +224,7 @@ def _score(ctx: ProbeContext, model: torch.nn.Module, rollout: Rollout) -> Evalu
     from mismatch.engines.numerics import apply_numerics
     from mismatch.engines.scorer import score
 
-    pw = int(rollout.meta["prompt_width"])
+    pw = rollout.prompt_width
     with apply_numerics(model, ctx.trainer, kernels=False):
         s = score(model, rollout, with_routing=False, full_from=pw)
     return Evaluation(logprobs=ctx.completion(rollout, s.logprobs),
@@ -361,7 +361,7 @@ class _Generated:
 
 def _render(tokenizer, tasks) -> list[list[int]]:
     """Task prompts as the probe renders its own (chat template with the zoo's tools)."""
-    from mismatch.probe import ProbeError
+    from mismatch.probes.config import ProbeError
     from mismatch.zoo.tasks import TOOLS
 
     if not getattr(tokenizer, "chat_template", None):
@@ -376,7 +376,7 @@ def _render(tokenizer, tasks) -> list[list[int]]:
 
 def _completions(tokenizer, rollout) -> list[str]:
     """The text of each sampled completion (through its end-of-turn token)."""
-    pw = int(rollout.meta["prompt_width"])
+    pw = rollout.prompt_width
     ids, keep = rollout.token_ids[:, pw:], rollout.completion_mask[:, pw:].bool()
     return [tokenizer.decode(row[m].tolist(), skip_special_tokens=False)
             for row, m in zip(ids, keep)]
@@ -401,7 +401,7 @@ def _policy_gradient_loss(model: torch.nn.Module, rollout: Rollout, advantages: 
     from mismatch.engines.scorer import position_ids
 
     ids, mask = rollout.token_ids, rollout.attention_mask
-    n = ids.shape[1] - int(rollout.meta["prompt_width"])  # completion width
+    n = ids.shape[1] - rollout.prompt_width  # completion width
     logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                    logits_to_keep=n + 1).logits[:, :-1].float()
     lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, -n:, None])[..., 0]
@@ -428,7 +428,7 @@ class _Checkpoints:
     setup_work = 0
 
     def __init__(self, ctx: ProbeContext, root: Path) -> None:
-        from mismatch.probe import ProbeError
+        from mismatch.probes.config import ProbeError
         from mismatch.zoo import ZooError, check_model_dir
 
         self.ctx = ctx
@@ -463,7 +463,7 @@ class _Checkpoints:
         self._trainer = self._load(self.k_max)
 
     def _load(self, index: int) -> torch.nn.Module:
-        from mismatch.probe import ProbeError
+        from mismatch.probes.config import ProbeError
         from mismatch.zoo import load_model
 
         path = self.dirs[index]

@@ -114,7 +114,7 @@ def _best_ms(fn, repeats: int) -> float:
 
 
 def gemm_table(args) -> list[str]:
-    from quantize.accumulate import KSlices, accumulate_matmul, accumulate_matmul_reference
+    from mismatch.quantize.accumulate import KSlices, accumulate_matmul, accumulate_matmul_reference
 
     acc = "hopper-fp8-fast"
     g = torch.Generator().manual_seed(0)

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from probes.monitor import CollapseMonitor, MonitorConfig  # noqa: E402
+from mismatch.probes.monitor import CollapseMonitor, MonitorConfig  # noqa: E402
 
 KINDS = ("stable", "collapse", "slow", "spike")
 
@@ -273,7 +273,7 @@ def bench_cost(repeats: int, threads: int) -> str:
     import torch
 
     torch.set_num_threads(threads)
-    from mismatch.cli import quiet_libraries
+    from mismatch.cli.main import quiet_libraries
 
     quiet_libraries()
     from mismatch.metrics import kl_estimators, ratio_stats

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from quantize import decode, encode
+from mismatch.quantize import decode, encode
 
 CODECS = ["fp8", "fp8-channel", "fp8-block128", "mxfp4", "mxfp4-rceil", "mxfp4-modelopt",
           "nvfp4", "nvfp4-act"]

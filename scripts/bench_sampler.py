@@ -30,12 +30,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from mismatch.cli import quiet_libraries
+    from mismatch.cli.main import quiet_libraries
 
     quiet_libraries()
     from mismatch.engines.numerics import apply_numerics, calibrate
     from mismatch.engines.sampler import SamplingParams, generate
-    from mismatch.probe import load_prompts
+    from mismatch.zoo.prompts import load_prompts
     from mismatch.profiles import resolve
     from mismatch.zoo import load_model, load_tokenizer
 

@@ -46,8 +46,8 @@ def main() -> None:
     import torch
 
     from mismatch.zoo import load_model, load_tokenizer
-    from train.ray_backend import RayBackend, start_ray
-    from train.trainer import preset_config, read_metrics, run
+    from mismatch.train.ray_backend import RayBackend, start_ray
+    from mismatch.train.trainer import preset_config, read_metrics, run
 
     model, tok = load_model(dtype="bfloat16"), load_tokenizer()
     cfg = dict(steps=args.steps, eval_tasks=0, checkpoint_every=100, tasks="arith,table")
@@ -89,8 +89,8 @@ def main() -> None:
     secs = [ray.get(reader.read.remote([ref]))[0] for _ in range(5)]
     fetch = statistics.median(secs)
     ray_run = args.out / "ray" / "1-1"
-    from train.trainer import Unit  # noqa: F401  (pickled units name it)
-    from train.rollout import Trajectory  # noqa: F401
+    from mismatch.train.trainer import Unit  # noqa: F401  (pickled units name it)
+    from mismatch.train.rollout import Trajectory  # noqa: F401
 
     recs = read_metrics(ray_run / "metrics.jsonl")
     tokens_per_episode = statistics.fmean(r["sampled_tokens"] / r["n_episodes"] for r in recs)
@@ -121,8 +121,8 @@ def main() -> None:
 
 def _one_unit(model, tok):
     """One unit (8 episodes) sampled locally, as a sampler actor returns it."""
-    from train.fleet import fleet
-    from train.trainer import preset_config, sample_units, split_units
+    from mismatch.train.fleet import fleet
+    from mismatch.train.trainer import preset_config, sample_units, split_units
 
     cfg = preset_config("mixed", tasks="arith,table")
     group = fleet("mixed")[0]

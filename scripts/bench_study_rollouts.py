@@ -15,9 +15,9 @@ from collections import defaultdict
 import torch
 
 from mismatch.zoo import load_model, load_tokenizer
-from train.fleet import Router, fleet
-from train.rollout import COMPUTE_DTYPES, run_episodes
-from train.trainer import task_of
+from mismatch.train.fleet import Router, fleet
+from mismatch.train.rollout import COMPUTE_DTYPES, run_episodes
+from mismatch.train.trainer import task_of
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _one(steps: int, workers: int, threads: int, sync: bool, model, tok) -> dict:
-    from train.trainer import preset_config, read_metrics, run
+    from mismatch.train.trainer import preset_config, read_metrics, run
 
     cfg = preset_config("mixed", steps=steps, workers=workers, threads=threads, sync=sync,
                         eval_tasks=0, checkpoint_every=steps)
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args()
 
-    from mismatch.cli import quiet_libraries
+    from mismatch.cli.main import quiet_libraries
 
     quiet_libraries()
     from mismatch.zoo import load_model, load_tokenizer

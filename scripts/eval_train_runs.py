@@ -24,13 +24,13 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=64)
     ap.add_argument("--samples", type=int, default=4)
     args = ap.parse_args()
-    from mismatch.cli import quiet_libraries
+    from mismatch.cli.main import quiet_libraries
 
     quiet_libraries()
     import torch
 
     from mismatch.zoo import load_model, load_tokenizer
-    from train.trainer import TrainConfig, evaluate
+    from mismatch.train.trainer import TrainConfig, evaluate
 
     torch.set_num_threads(2)
     tok = load_tokenizer()

@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--runs", type=Path, default=ROOT / "runs")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from mismatch.sources_report import fleet_markdown, fleet_plot
+    from mismatch.app.sources_report import fleet_markdown, fleet_plot
 
     REPORTS.mkdir(exist_ok=True)
     out = a.runs / "ladder-h100-fp8"

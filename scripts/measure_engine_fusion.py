@@ -9,8 +9,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import build_tiny_model
-from quantize.checkpoint import QuantizeConfig, quantize_checkpoint
-from quantize.loader import load_quantized
+from mismatch.quantize.checkpoint import QuantizeConfig, quantize_checkpoint
+from mismatch.quantize.loader import load_quantized
 d = Path(tempfile.mkdtemp())
 src = build_tiny_model(d / "src", kind="dense")
 quantize_checkpoint(QuantizeConfig(model=src, format="fp8", out=d / "q", calib_samples=2, calib_seq_len=16, progress=False))

@@ -8,9 +8,9 @@ stretch of hard prompts alone made the 5-step mean fall, it would show here.
 import torch
 
 from mismatch.zoo import load_model, load_tokenizer
-from train.fleet import fleet
-from train.rollout import run_episodes
-from train.trainer import task_of
+from mismatch.train.fleet import fleet
+from mismatch.train.rollout import run_episodes
+from mismatch.train.trainer import task_of
 torch.set_num_threads(2)
 tok = load_tokenizer(); m = load_model(dtype="bfloat16").eval()
 g = fleet("homogeneous")[0]

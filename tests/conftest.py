@@ -11,8 +11,8 @@ from typing import Callable
 import pytest
 import torch
 
-from quantize.checkpoint import CHECKPOINT_FORMATS
-from quantize.codecs import encode
+from mismatch.quantize.checkpoint import CHECKPOINT_FORMATS
+from mismatch.quantize.codecs import encode
 
 TinyModelFactory = Callable[..., Path]
 FAULT_SERVER = Path(__file__).with_name("fault_server.py")

@@ -23,7 +23,7 @@ def padded_generate(model: torch.nn.Module, prompts: list[list[int]], params: Sa
     forced: [B, n] completion tokens to feed instead of sampling (a replay of an earlier rollout
     of the same prompts through this decode path: its log-probs are what this configuration
     would have reported for those tokens). keep_full: also keep the whole raw log-softmax of
-    every step, `meta["full_logprobs"]` [B, n, V] FP32. `meta["candidate_in_support"]` [B, T, K]
+    every step, `full_logprobs` [B, n, V] FP32. `candidate_in_support` [B, T, K]
     bool marks the candidates inside the distribution sampled from (top-k / top-p support)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
@@ -98,11 +98,11 @@ def padded_generate(model: torch.nn.Module, prompts: list[list[int]], params: Sa
                                  torch.stack(cand_ids, 1)], dim=1),
         candidate_logprobs=torch.cat([torch.zeros(b, p, k), torch.stack(cand_lp, 1)], dim=1),
         sampler=label, mode=mode,
-        meta={"prompt_width": p,
-              "candidate_in_support": torch.cat([torch.zeros(b, p, k, dtype=torch.bool),
-                                                 torch.stack(in_support, 1).cpu()], dim=1)})
+        prompt_width=p,
+        candidate_in_support=torch.cat([torch.zeros(b, p, k, dtype=torch.bool),
+                                        torch.stack(in_support, 1).cpu()], dim=1))
     if keep_full:
-        rollout.meta["full_logprobs"] = torch.stack(full, 1)
+        rollout.full_logprobs = torch.stack(full, 1)
     if routing and all(r for r in routing):
         # per layer: the prefill call [B·P, k], then one [B, k] call per generated token but
         # the last (whose KV was never needed) — so the last generated position has no routing

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from quantize import QuantizeError, fake_quant
-from quantize.accumulate import (ACCUMULATIONS, Accumulation, KSlices, accumulate_matmul,
+from mismatch.quantize import QuantizeError, fake_quant
+from mismatch.quantize.accumulate import (ACCUMULATIONS, Accumulation, KSlices, accumulate_matmul,
                                  accumulate_matmul_reference, truncate_mantissa)
 
 
@@ -219,8 +219,8 @@ def test_emulated_fp8_gemms_equal_per_linear_reference(kind, accumulation, tiny_
 
     from mismatch.engines.numerics import _Emulator, _build_table, apply_numerics, calibrate
     from mismatch.profiles import resolve as resolve_spec
-    from quantize import encode
-    from quantize.formats import decode_codes, get_format
+    from mismatch.quantize import encode
+    from mismatch.quantize.formats import decode_codes, get_format
 
     path = tiny_qwen3_dir if kind == "dense" else tiny_moe_dir
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

@@ -17,9 +17,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from mismatch.monitor_cli import follow_state, monitor_command
-from probes.formats import ADAPTERS, get_adapter
-from probes.formats.reader import RecordReader
+from mismatch.cli.monitor import follow_state, monitor_command
+from mismatch.probes.formats import ADAPTERS, get_adapter
+from mismatch.probes.formats.reader import RecordReader
 
 
 def _run(*args: str):
@@ -308,7 +308,7 @@ def test_mismatch_imports_without_transformers():
     import sys
 
     probe = subprocess.run([sys.executable, "-c", "import sys, mismatch, mismatch.integrations.trl,"
-                            " mismatch.monitor_cli; print('transformers' in sys.modules)"],
+                            " mismatch.cli.monitor; print('transformers' in sys.modules)"],
                            capture_output=True, text=True)
     assert probe.stdout.strip() == "False", probe.stderr
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize.checkpoint import QuantizeConfig, quantize_checkpoint
-from quantize.errors import QuantizeError
+from mismatch.quantize.checkpoint import QuantizeConfig, quantize_checkpoint
+from mismatch.quantize.errors import QuantizeError
 
 _MODELOPT = "nvidia-modelopt not installed (pip install -e '.[quantize]')"
 

@@ -9,7 +9,7 @@ import sys
 import typer
 from typer.testing import CliRunner
 
-from mismatch.cli import app
+from mismatch.cli.main import app
 
 SNAPSHOT = {
     "formats": [],

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from quantize import CODECS, QuantizeError, decode, encode, fake_quant
-from quantize.codecs import pack_nibbles, unpack_nibbles
+from mismatch.quantize import CODECS, QuantizeError, decode, encode, fake_quant
+from mismatch.quantize.codecs import pack_nibbles, unpack_nibbles
 
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -291,7 +291,7 @@ def test_non_finite_input_is_refused_with_position(bad, codec):
 
 def test_codec_table_is_data():
     assert len(CODECS) == len(set(CODECS))
-    from quantize.codecs import CodecSpec, register
+    from mismatch.quantize.codecs import CodecSpec, register
 
     with pytest.raises(ValueError, match="registered twice"):
         register(CodecSpec(name="nvfp4", scheme="cast", cast_dtype=torch.float16, description=""))

@@ -49,7 +49,7 @@ def test_a_batch_alone_is_bit_identical_to_the_padded_sampler(model, tok, prompt
     eos, pad = {tok.eos_token_id}, tok.pad_token_id
     with _numerics(model, same, gpu, dtype, kv):
         ours = generate(model, same, params, pad_id=pad, eos_ids=eos, label="x", keep_full=True)
-        pw = ours.meta["prompt_width"]
+        pw = ours.prompt_width
         ref = padded_generate(model, same, params, pad_id=pad, eos_ids=eos, label="x",
                               forced=ours.token_ids[:, pw:], keep_full=True)
         greedy = SamplingParams(max_new_tokens=20, temperature=0, candidates=4)
@@ -61,7 +61,7 @@ def test_a_batch_alone_is_bit_identical_to_the_padded_sampler(model, tok, prompt
     assert torch.equal(ref.sampler_logprobs_processed[m], ours.sampler_logprobs_processed[m])
     assert torch.equal(ref.candidate_ids[m], ours.candidate_ids[m])
     assert torch.equal(ref.candidate_logprobs[m], ours.candidate_logprobs[m])
-    assert torch.equal(ref.meta["full_logprobs"][m[:, pw:]], ours.meta["full_logprobs"][m[:, pw:]])
+    assert torch.equal(ref.full_logprobs[m[:, pw:]], ours.full_logprobs[m[:, pw:]])
     fed = ours.attention_mask.bool().clone()
     fed[torch.arange(len(same)), fed.long().cumsum(1).argmax(1)] = False  # last token: unfed
     assert torch.equal(ref.routed_experts[fed], ours.routed_experts[fed])

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mismatch.cli import app
+from mismatch.cli.main import app
 from mismatch.remote import RemoteError, SglangClient
 from mismatch.remote.launch import EngineLaunchError
 from mismatch.remote.launch_sglang import default_sglang_venv, sglang_available, sglang_server

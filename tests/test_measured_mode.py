@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 from typer.testing import CliRunner
 
-from mismatch.cli import app
+from mismatch.cli.main import app
 from mismatch.profiles import GPUS, ProfileError, check_local_gpu, local_profile
 
 runner = CliRunner()
@@ -41,7 +41,7 @@ def test_local_gpu_must_be_the_named_one():
 
 def test_probe_on_another_gpu_is_a_one_line_error(monkeypatch):
     """Checked before any model is loaded; --emulate turns it into an emulated probe."""
-    monkeypatch.setattr("mismatch.probe.local_gpu", lambda: H100)  # where run_probe reads it
+    monkeypatch.setattr("mismatch.app.probe.local_gpu", lambda: H100)  # where run_probe reads it
     res = runner.invoke(app, ["probe", "--gpu", "b200", "--dtype", "nvfp4", "--model",
                               "/no/such/dir"])
     assert "pass --emulate to emulate b200" in _error_line(res), res.stderr
@@ -81,7 +81,7 @@ def test_te_trainer_scores_agree_with_the_reference(tmp_path):
     noise (needs CUDA and transformer-engine)."""
     if importlib.util.find_spec("transformer_engine") is None:
         pytest.skip("transformer-engine is not installed (pip install 'mismatch[te]')")
-    from mismatch.probe import ProbeConfig, run_probe
+    from mismatch.app.probe import ProbeConfig, run_probe
     from mismatch.profiles import local_gpu
 
     here = local_profile(local_gpu())
@@ -97,7 +97,7 @@ def test_te_trainer_scores_agree_with_the_reference(tmp_path):
 @pytest.mark.gpu
 def test_measured_fp8_runs_scaled_mm():
     """On a GPU with FP8 tensor cores an FP8 probe of that GPU is measured (torch._scaled_mm)."""
-    from mismatch.probe import ProbeConfig, run_probe
+    from mismatch.app.probe import ProbeConfig, run_probe
     from mismatch.profiles import local_gpu
 
     here = local_profile(local_gpu())

@@ -22,10 +22,10 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from mismatch.monitor_cli import follow_lines, monitor_command
+from mismatch.cli.monitor import follow_lines, monitor_command
 from mismatch.zoo.episode import Episode, EpisodeConfig
 from mismatch.zoo.tasks import make_task
-from probes.monitor import (CollapseMonitor, MonitorConfig, SignalRule, baselines_from,
+from mismatch.probes.monitor import (CollapseMonitor, MonitorConfig, SignalRule, baselines_from,
                             default_rules,
                             episode_end_reason, episode_summary)
 
@@ -450,8 +450,8 @@ def test_cli_follows_a_growing_truncated_and_rotated_log(tmp_path):
 
 _MAIN = """
 import sys
-from mismatch.cli import app, main
-from mismatch.monitor_cli import monitor_command
+from mismatch.cli.main import app, main
+from mismatch.cli.monitor import monitor_command
 app.command("monitor")(monitor_command)
 sys.argv = ["mismatch"] + sys.argv[1:]
 main()
@@ -506,8 +506,8 @@ def test_monitor_option_snapshot_and_light_import():
     options = sorted(o for p in command.params for o in p.opts if o.startswith("--"))
     assert options == ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json", "--map",
                        "--max-idle", "--poll-interval", "--prometheus-port", "--webhook"]
-    probe = subprocess.run([sys.executable, "-c", "import sys, mismatch.monitor_cli; "
-                            "print(sorted(m for m in ('torch', 'numpy', 'probes.monitor') "
+    probe = subprocess.run([sys.executable, "-c", "import sys, mismatch.cli.monitor; "
+                            "print(sorted(m for m in ('torch', 'numpy', 'mismatch.probes.monitor') "
                             "if m in sys.modules))"], capture_output=True, text=True)
     assert probe.stdout.strip() == "[]"
 

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import build_tiny_model
-from mismatch.cli import app
+from mismatch.cli.main import app
 
 runner = CliRunner()
 KEYS = ("kl_k3", "kl_k1", "abs_logprob_diff_mean", "abs_logprob_diff_max", "mis_masked_fraction",
@@ -119,7 +119,7 @@ def test_measured_mode_on_the_named_gpu(tmp_path):
     real kernels and says `measured`; any other GPU name is emulated when asked (--emulate)."""
     import torch
 
-    from mismatch.probe import ProbeConfig, run_probe
+    from mismatch.app.probe import ProbeConfig, run_probe
     from mismatch.profiles import GPUS
 
     name = torch.cuda.get_device_name(0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mismatch.probe import ProbeConfig, run_probe
+from mismatch.app.probe import ProbeConfig, run_probe
 
 pytestmark = pytest.mark.slow
 

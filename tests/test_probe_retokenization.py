@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from mismatch.probe import ProbeConfig
+from mismatch.probes.config import ProbeConfig
 from mismatch.zoo.chat_template import continuation_text
 from mismatch.zoo.episode import NUDGE
 from mismatch.zoo.tasks import TOOLS, generate_tasks
-from probes.base import ProbeContext
-from probes.retokenization import (
+from mismatch.probes.base import ProbeContext
+from mismatch.probes.retokenization import (
     RetokenizationConfig,
     Session,
     continuation_ids,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mismatch.probe as probe_mod
-from mismatch.probe import SPLIT, ProbeConfig, run_probe
+import mismatch.app.probe as probe_mod
+from mismatch.app.probe import SPLIT, ProbeConfig, run_probe
 
 SMALL = dict(n_prompts=16, max_new_tokens=24, batch_size=16, threads=1, emulate=True)
 
@@ -73,7 +73,7 @@ def test_sources_stay_within_the_total(nvfp4, fp8):
 
 def test_exact_kl_per_position_equals_a_float64_reference(nvfp4):
     result, rollout, full, exact = nvfp4
-    pw = int(rollout.meta["prompt_width"])
+    pw = rollout.prompt_width
     ids = rollout.token_ids[:, pw:]
     mask = rollout.completion_mask[:, pw:].bool()
     b, n = ids.shape

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
-from mismatch.probe import ProbeConfig, ProbeError
+from mismatch.probes.config import ProbeConfig, ProbeError
 from mismatch.zoo import load_model
-from probes import staleness
-from probes.base import ProbeContext
+from mismatch.probes import staleness
+from mismatch.probes.base import ProbeContext
 
 
 def _context(progress=None, **fields) -> ProbeContext:

@@ -12,14 +12,14 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import build_tiny_model
-from mismatch.cli import app
-from mismatch.probe import ProbeConfig
-from probes import SOURCES, parse_sources
-from probes.accelerator import AcceleratorProbe, fleet_groups
-from probes.base import Evaluation, ProbeContext, Tally, Variant, with_spec
-from probes.kernels import KernelsProbe
-from probes.ladder import LadderProbe
-from probes.routing import RoutingProbe, routing_flips
+from mismatch.cli.main import app
+from mismatch.probes.config import ProbeConfig
+from mismatch.probes import SOURCES, parse_sources
+from mismatch.probes.accelerator import AcceleratorProbe, fleet_groups
+from mismatch.probes.base import Evaluation, ProbeContext, Tally, Variant, with_spec
+from mismatch.probes.kernels import KernelsProbe
+from mismatch.probes.ladder import LadderProbe
+from mismatch.probes.routing import RoutingProbe, routing_flips
 
 runner = CliRunner()
 
@@ -234,7 +234,7 @@ def test_ladder_of_the_trainer_configuration_is_flat(moe_dir, prompt_file):
 
 
 def test_sampling_probe_top_p_one_is_raw(moe_dir, prompt_file):
-    from probes import sampling
+    from mismatch.probes import sampling
 
     ctx = _ctx(moe_dir, prompt_file, gpu="b200", dtype="bf16", top_p=1.0, n_prompts=4)
     r = sampling.run(ctx)
@@ -244,7 +244,7 @@ def test_sampling_probe_top_p_one_is_raw(moe_dir, prompt_file):
 
 
 def test_sampling_probe_top_p_bias_is_bounded(moe_dir, prompt_file):
-    from probes import sampling
+    from mismatch.probes import sampling
 
     ctx = _ctx(moe_dir, prompt_file, gpu="b200", dtype="bf16", top_p=0.5, n_prompts=4)
     r = sampling.run(ctx).extra
@@ -320,15 +320,15 @@ def test_tally_of_one_sequence_has_no_interval_but_a_value():
 def test_ci_target_draws_more_prompts_until_met_or_capped(monkeypatch):
     """An unreachable target draws held-out prompts up to --max-prompts and says it was not
     met; once met, nothing more is drawn."""
-    import probes.runner
-    from probes.runner import run_sources
+    from mismatch.probes import runner
+    from mismatch.probes.runner import run_sources
 
     base = dict(gpu="b200", dtype="bf16", n_prompts=4, batch_size=4, max_new_tokens=6,
                 sources=("kernels",))
     strict = run_sources(ProbeConfig(**base, ci_target=1e-6, max_prompts=12)).summary
     assert strict["prompts"] == 12 and strict["ci_target"]["met"] is False
     assert "total" in strict["ci_target"]["unmet"] and strict["total"]["tokens"] > 0
-    monkeypatch.setattr(probes.runner, "_unmet", lambda *a: [])
+    monkeypatch.setattr(runner, "_unmet", lambda *a: [])
     met = run_sources(ProbeConfig(**base, ci_target=0.2, max_prompts=12)).summary
     assert met["prompts"] == 4 and met["ci_target"] == {"target": 0.2, "met": True, "unmet": []}
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mismatch.cli import app
-from mismatch.qualify import (DEFAULT_POLICY, Policy, PolicyError, dominant_source, evaluate,
+from mismatch.cli.main import app
+from mismatch.app.qualify import (DEFAULT_POLICY, Policy, PolicyError, dominant_source, evaluate,
                               load_policy, needed_sources, verdict)
 
 runner = CliRunner()

@@ -10,7 +10,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mismatch.cli import app
+from mismatch.cli.main import app
 
 runner = CliRunner()
 SMALL = ["--n-prompts", "6", "--max-new-tokens", "6", "--timeout", "2"]

@@ -69,7 +69,7 @@ def check_layout(rollout, prompts, *, max_new_tokens, k, seed, vocab):
     assert rollout.completion_mask.shape == rollout.sampler_logprobs.shape == (b, p + n)
     assert rollout.candidate_ids.shape == rollout.candidate_logprobs.shape == (b, p + n, k)
     assert rollout.token_ids.dtype == torch.long and rollout.completion_mask.dtype == torch.float32
-    assert rollout.mode == "measured" and rollout.meta["prompt_width"] == p
+    assert rollout.mode == "measured" and rollout.prompt_width == p
     assert rollout.n_tokens == sum(len(e[0]) for e in expected)
     assert rollout.meta["finish_reasons"] == [e[3] for e in expected]
     assert torch.equal(rollout.sampler_logprobs_processed, rollout.sampler_logprobs)

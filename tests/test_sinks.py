@@ -26,8 +26,8 @@ import pytest
 import yaml
 from rich.console import Console
 
-from probes.alerts import SEVERITIES, SIGNALS, Alert
-from probes.sinks import JsonlSink, PrometheusSink, TerminalSink, WebhookSink
+from mismatch.probes.alerts import SEVERITIES, SIGNALS, Alert
+from mismatch.probes.sinks import JsonlSink, PrometheusSink, TerminalSink, WebhookSink
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "mismatch" / "monitor_rules.yml"

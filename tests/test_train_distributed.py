@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mismatch.zoo import load_model, load_tokenizer
-from train.fleet import fleet
-from train.rollout import run_episodes
-from train.trainer import TrainConfig, Trainer, Unit, build_batch, task_of
+from mismatch.train.fleet import fleet
+from mismatch.train.rollout import run_episodes
+from mismatch.train.trainer import TrainConfig, Trainer, Unit, build_batch, task_of
 
 
 def _free_port() -> int:
@@ -45,7 +45,7 @@ def batch_file(tmp_path_factory):
 def _torchrun(batch_path, out, dtype: str, lr: float):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
            "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "train.distributed", "--batch", str(batch_path), "--out", str(out),
+           "-m", "mismatch.train.distributed", "--batch", str(batch_path), "--out", str(out),
            "--lr", repr(lr), "--compute-dtype", dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""train.fleet: the presets, the router's proportionality bound |count − N·share| < 1 at every N,
+"""mismatch.train.fleet: the presets, the router's proportionality bound |count − N·share| < 1 at every N,
 stickiness, determinism, thread safety, and the errors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from mismatch.profiles import natural_pairs, resolve
-from train.fleet import PRESETS, Router, SamplerGroup, fleet
+from mismatch.train.fleet import PRESETS, Router, SamplerGroup, fleet
 
 # shares are floats normalized once more inside the router; 1e-9 absorbs the float rounding of
 # N·share in the check, not any slack in the schedule (which is exact)

@@ -1,4 +1,4 @@
-"""train.loss against a plain float64 reference: losses and gradients of every arm, the zero
+"""mismatch.train.loss against a plain float64 reference: losses and gradients of every arm, the zero
 expected update of score centering, masking, top-p renormalization, non-finite sampler values."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.loss import ARMS, group_advantages, policy_loss, renormalize_over_support
+from mismatch.train.loss import ARMS, group_advantages, policy_loss, renormalize_over_support
 
 # Tolerances against the float64 reference. float64 inputs follow the same formula in another
 # order of operations: agreement to ~1e-15 relative, so 1e-10 leaves room for sums over K.

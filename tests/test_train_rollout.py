@@ -13,9 +13,9 @@ from mismatch.records import Rollout
 from mismatch.zoo import load_model
 from mismatch.zoo.episode import Episode, EpisodeConfig
 from mismatch.zoo.tasks import generate_tasks
-from probes.retokenization import _decode, _render, continuation_ids
-from train.fleet import SamplerGroup
-from train.rollout import Trajectory, run_episodes
+from mismatch.probes.retokenization import _decode, _render, continuation_ids
+from mismatch.train.fleet import SamplerGroup
+from mismatch.train.rollout import Trajectory, run_episodes
 
 BF16 = SamplerGroup(name="b200-bf16", spec=resolve("b200", "bf16", "bf16"), share=1.0)
 NVFP4 = SamplerGroup(name="b200-nvfp4", spec=resolve("b200", "nvfp4", "fp8"), share=1.0)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from probes.monitor import MonitorConfig
-from train.trainer import (Publisher, TrainConfig, Unit, build_batch, latest_checkpoint,
+from mismatch.probes.monitor import MonitorConfig
+from mismatch.train.trainer import (Publisher, TrainConfig, Unit, build_batch, latest_checkpoint,
                            preset_config, read_metrics, run)
 
 REQUIRED = ("step", "reward", "kl", "format_error_rate", "mis_masked_fraction", "sc_tail_ratio",
@@ -74,7 +74,7 @@ def test_monitor_cli_reads_the_metrics_log(async_run):
 
 
 def test_report_draws_curves(async_run, tmp_path):
-    from train.report import write_report
+    from mismatch.train.report import write_report
 
     out, _, _ = async_run
     path = write_report([out, out], tmp_path / "rep")
@@ -127,9 +127,9 @@ def test_publisher_is_monotonic():
 
 
 def test_batch_places_candidates_and_advantages(async_run, model, tok):
-    from train.fleet import fleet
-    from train.rollout import run_episodes
-    from train.trainer import task_of
+    from mismatch.train.fleet import fleet
+    from mismatch.train.rollout import run_episodes
+    from mismatch.train.trainer import task_of
 
     group = fleet("mixed")[3]
     eps = run_episodes(model, tok, [task_of(0, 0)] * 2 + [task_of(1, 0)] * 2, group, version=2,
@@ -265,7 +265,7 @@ def test_config_checks():
 
 
 def test_task_mix_takes_kinds_in_turn():
-    from train.trainer import task_of
+    from mismatch.train.trainer import task_of
 
     kinds = ("arith", "table")
     assert [task_of(u, 0, kinds).kind for u in range(4)] == ["arith", "table"] * 2
@@ -276,9 +276,9 @@ def test_task_mix_takes_kinds_in_turn():
 
 @pytest.mark.parametrize("arm", ["grpo", "sc+mis+topp"])
 def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok, arm):
-    from train.fleet import fleet
-    from train.rollout import run_episodes
-    from train.trainer import Trainer, task_of
+    from mismatch.train.fleet import fleet
+    from mismatch.train.rollout import run_episodes
+    from mismatch.train.trainer import Trainer, task_of
 
     group = fleet("mixed")[5]  # a BF16 group
     eps = run_episodes(model, tok, [task_of(1, 0, ("arith",))] * 4, group, version=0,
@@ -314,7 +314,7 @@ def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok,
 def _old_batch_loss(model, b, arm, attention):
     """The trainer's loss as it was first written: the whole [B, T-1, V] FP32 log-softmax
     gathered at the tokens and candidates, autograd through it, the loss over [B, T]."""
-    from train.loss import ARMS, policy_loss
+    from mismatch.train.loss import ARMS, policy_loss
 
     logits = model(input_ids=b.ids, attention_mask=attention, use_cache=False).logits.float()
     lsm = torch.log_softmax(logits[:, :-1], dim=-1)
@@ -335,9 +335,9 @@ def _old_batch_loss(model, b, arm, attention):
 
 @pytest.fixture(scope="module")
 def padded_batch(model, tok):
-    from train.fleet import fleet
-    from train.rollout import run_episodes
-    from train.trainer import task_of
+    from mismatch.train.fleet import fleet
+    from mismatch.train.rollout import run_episodes
+    from mismatch.train.trainer import task_of
 
     group = fleet("mixed")[5]
     eps = run_episodes(model, tok, [task_of(2, 0, ("arith",))] * 4, group, version=0,
@@ -359,7 +359,7 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
     (to BF16 rounding), the loss and its metrics to float rounding (summed in another order);
     the unmasked forward of a right-padded batch gives the masked forward's loss bit for bit
     and its gradients to BF16 rounding (the attention backward's summation order)."""
-    from train.trainer import batch_loss, token_scores
+    from mismatch.train.trainer import batch_loss, token_scores
 
     b = padded_batch
     net = copy.deepcopy(model).train()
@@ -400,7 +400,7 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
 
 
 def test_lockstep_trainer_takes_the_idle_samplers_threads(model, monkeypatch):
-    from train.trainer import Trainer, lockstep_threads
+    from mismatch.train.trainer import Trainer, lockstep_threads
 
     cpus = len(os.sched_getaffinity(0))
     assert lockstep_threads(TrainConfig()) is None  # pipelined: samplers run while it steps

@@ -327,7 +327,7 @@ def test_three_step_build_is_bitwise_reproducible(tmp_path):
 def test_cli_path_and_info():
     from typer.testing import CliRunner
 
-    from mismatch.zoo.cli import _DEFAULT_STEPS, zoo_app
+    from mismatch.cli.zoo import _DEFAULT_STEPS, zoo_app
     from mismatch.zoo.trainer import TrainConfig
 
     assert _DEFAULT_STEPS == TrainConfig().steps  # the CLI default must be the library's

@@ -115,7 +115,7 @@ def error(fn) -> str:
 def main() -> None:
     from omegaconf import OmegaConf
 
-    from train.loss import policy_loss
+    from mismatch.train.loss import policy_loss
     d = inputs()
     out: dict = {"registered_by_import_verl": "mismatch.integrations.verl" in sys.modules,
                  "verl_version": verl.__version__, "arms": {}}

@@ -15,7 +15,7 @@ Backends: gloo on CPU, NCCL on GPUs. Launch with `torchrun` (it sets RANK, WORLD
 MASTER_ADDR, MASTER_PORT), or from Ray actors that set the same variables.
 
     torchrun --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port PORT \\
-        -m train.distributed --batch batch.pt --out state.pt [--lr 1e-4 --correction sc+mis]
+        -m mismatch.train.distributed --batch batch.pt --out state.pt [--lr 1e-4 --correction sc+mis]
 
 runs one step on a saved batch and writes the full updated master (rank 0): what the tests
 compare with a single-process step.

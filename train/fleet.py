@@ -79,7 +79,7 @@ def _single(preset: str, gpu: str, dtype: str, kv_cache: str):
 
 def _mixed(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
     # imported here: probes pulls in torch, which the homogeneous preset does not need
-    from probes.accelerator import fleet_groups
+    from mismatch.probes.accelerator import fleet_groups
 
     return [SamplerGroup(name=f"{g}-{d}", spec=resolve(g, d, "fp8"), share=s)
             for g, d, s in fleet_groups(shares)]

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mismatch.report import atomic_directory, save_figure
+from mismatch.io import atomic_directory, save_figure
 
 from .trainer import read_metrics
 

@@ -65,7 +65,7 @@ def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str
 
 
 def _save(fig, final: Path) -> str:
-    from mismatch.report import save_figure
+    from mismatch.io import save_figure
 
     tmp = final.with_name(f".{final.stem}.tmp-{os.getpid()}.png")  # renamed only when whole
     save_figure(fig, tmp)

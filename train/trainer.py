@@ -1102,8 +1102,8 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
 
 def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, model, tokenizer,
          progress, log_alerts, monitor_config) -> RunResult:
-    from probes.monitor import CollapseMonitor
-    from probes.sinks import JsonlSink, TerminalSink
+    from mismatch.probes.monitor import CollapseMonitor
+    from mismatch.probes.sinks import JsonlSink, TerminalSink
 
     metrics_path, alerts_path = out / "metrics.jsonl", out / "alerts.jsonl"
     trainer = backend.trainer(model, cfg)
@@ -1273,7 +1273,7 @@ def _record(step: int, units: list[Unit], batch: Batch, m: dict[str, Any], *, wa
 
 
 def _save_final(out: Path, policy: torch.nn.Module, tokenizer) -> None:
-    from mismatch.report import atomic_directory
+    from mismatch.io import atomic_directory
 
     with atomic_directory(Path(out) / "final") as tmp:
         policy.save_pretrained(tmp)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quantize import QTensor, decode, encode
-from quantize.accumulate import KSlices, resolve
-from quantize.loader import requantize_fp8
+from mismatch.quantize import QTensor, decode, encode
+from mismatch.quantize.accumulate import KSlices, resolve
+from mismatch.quantize.loader import requantize_fp8
 
 from ..kernels import accumulate_gemm, fake_quant
 from ..profiles import NumericsSpec

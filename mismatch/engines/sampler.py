@@ -102,8 +102,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     forced: [B, n] completion tokens to feed instead of sampling (a replay of an earlier rollout
     of the same prompts through this decode path: its log-probs are what this configuration
     would have reported for those tokens; a row ends at its first EOS). keep_full: also keep the
-    whole raw log-softmax of every step, `meta["full_logprobs"]` [B, n, V] FP32 (zeros after a
-    row's end). `meta["candidate_in_support"]` [B, T, K] bool marks the candidates inside the
+    whole raw log-softmax of every step, `full_logprobs` [B, n, V] FP32 (zeros after a
+    row's end). `candidate_in_support` [B, T, K] bool marks the candidates inside the
     distribution sampled from (top-k / top-p support)."""
     from .engine import Engine, Request
     from .routing import routers
@@ -165,7 +165,7 @@ def to_rollout(completions: list, *, pad_id: int, label: str, mode: str) -> Roll
                       sampler_logprobs=raw, sampler_logprobs_processed=proc,
                       candidate_ids=cand_ids, candidate_logprobs=cand_lp, sampler=label,
                       mode=mode, routed_experts=routed,
-                      meta={"prompt_width": p, "candidate_in_support": support})
+                      prompt_width=p, candidate_in_support=support)
     if full is not None:
-        rollout.meta["full_logprobs"] = full
+        rollout.full_logprobs = full
     return rollout

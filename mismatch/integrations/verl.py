@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from mismatch.metrics import MIS_HIGH, MIS_LOW
-from train.loss import ARMS, policy_loss
+from mismatch.train.loss import ARMS, policy_loss
 
 __all__ = ["LOSSES", "verl_loss"]
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantize.accumulate import Accumulation
+from mismatch.quantize.accumulate import Accumulation
 
 
 @triton.jit

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from quantize.codecs import _check_input, _nvfp4_global, fake_quant as _reference, get_codec
-from quantize.formats import E4M3_MAX
+from mismatch.quantize.codecs import _check_input, _nvfp4_global, fake_quant as _reference, get_codec
+from mismatch.quantize.formats import E4M3_MAX
 
 from .runtime import KernelError, use_triton
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from quantize.accumulate import Accumulation, KSlices, accumulate_matmul, resolve
-from quantize.errors import QuantizeError
+from mismatch.quantize.accumulate import Accumulation, KSlices, accumulate_matmul, resolve
+from mismatch.quantize.errors import QuantizeError
 
 from .runtime import KernelError, use_triton
 

@@ -4,7 +4,7 @@ A client sends each prompt as token ids (never text), one HTTP request per promp
 `max_concurrency` at a time, and lays the answers out exactly as the emulated sampler does
 (`mismatch.engines.sampler.generate`): prompts left-padded to a common width, the completion
 after them, padded after EOS / the last token, `sampler_logprobs` at the completion positions,
-the top-K candidates of each step, `meta["prompt_width"]`. The trainer side then re-scores the
+the top-K candidates of each step, `prompt_width`. The trainer side then re-scores the
 same tokens locally (`mismatch.engines.scorer.score`) and the same metrics apply.
 
 Only the standard library speaks HTTP here (urllib.request, json, concurrent.futures).
@@ -354,7 +354,7 @@ class SamplerClient(abc.ABC):
                        sampler_logprobs=logprobs, sampler_logprobs_processed=logprobs.clone(),
                        candidate_ids=cand_ids, candidate_logprobs=cand_lp,
                        sampler=self.label, mode="measured",
-                       meta={"prompt_width": p, **meta})
+                       prompt_width=p, meta=meta)
 
 
 def _top(pairs: list[tuple[int, float]]) -> tuple[list[int], list[float]]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from probes.formats.adapter import Adapter, parse_map
-from probes.formats.frameworks import ADAPTERS
+from mismatch.probes.formats.adapter import Adapter, parse_map
+from mismatch.probes.formats.frameworks import ADAPTERS
 
 __all__ = ["Adapter", "ADAPTERS", "get_adapter", "parse_map"]
 

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from probes.alerts import SIGNALS
+from mismatch.probes.alerts import SIGNALS
 
 __all__ = ["Adapter", "parse_map", "glob_matches"]
 

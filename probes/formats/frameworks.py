@@ -8,8 +8,8 @@ native names, and any adapter reads them.
 
 from __future__ import annotations
 
-from probes.alerts import SIGNALS
-from probes.formats.adapter import Adapter
+from mismatch.probes.alerts import SIGNALS
+from mismatch.probes.formats.adapter import Adapter
 
 __all__ = ["ADAPTERS"]
 

@@ -35,19 +35,19 @@ for. Without CUDA everything is emulated, as before.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .metrics import exact_kl
-from .profiles import NumericsSpec, check_local_gpu, local_gpu, resolve, trainer_spec
-from .records import Rollout
+from mismatch.metrics import exact_kl
+from mismatch.profiles import NumericsSpec, check_local_gpu, local_gpu, resolve, trainer_spec
+from mismatch.probes.config import ProbeConfig, ProbeError
+from mismatch.records import Rollout
+from mismatch.zoo.prompts import eos_ids, load_prompts
 
-__all__ = ["ProbeConfig", "ProbeError", "run_probe", "load_prompts", "exact_split",
+__all__ = ["ProbeConfig", "ProbeError", "run_probe", "exact_split",
            "SOURCES_REPORTED", "SPLIT"]
 
 SOURCES_REPORTED = ("precision", "accelerator")
@@ -57,125 +57,6 @@ SPLIT = {"total": ("trainer", "sampler"), "precision": ("trainer", "precision"),
 
 
 _SMALL_MODEL = 50_000_000  # parameters: below this, one intra-op thread is fastest
-
-
-class ProbeError(ValueError):
-    """Bad probe input (prompt file, lengths, model); the message says what to do."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProbeConfig:
-    """One probe run."""
-
-    gpu: str
-    """Sampler GPU profile (mismatch.profiles.GPUS)."""
-    dtype: str
-    """Sampler serving precision (mismatch.profiles.DTYPES)."""
-    kv_cache: str | None = None
-    """KV-cache storage ("bf16" | "fp8"; default: the compute dtype)."""
-    trainer_dtype: str = "bf16"
-    """Trainer-side dtype ("bf16" | "fp16")."""
-    model: Path | None = None
-    """Hugging Face model directory (None: the embedded model)."""
-    prompts: Path | None = None
-    """JSONL prompt file (None: the shipped held-out tool-use prompts)."""
-    n_prompts: int = 512
-    """Prompts to sample from."""
-    max_new_tokens: int = 48
-    """Completion length cap."""
-    batch_size: int = 16
-    """Sequences per generation batch."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    seed: int = 0
-    """Seed of prompt choice and sampling."""
-    threads: int | None = None
-    """torch intra-op threads (None: 1 for models under 50M parameters, whose many small ops
-    only lose to thread synchronization, else torch's default)."""
-    sources: tuple[str, ...] = ()
-    """Source probes to run (probes.SOURCES); empty: the quick total/precision/accelerator probe."""
-    ladder: bool = False
-    """Also add the sources one at a time (kernels → + precision → + accelerator)."""
-    trainer_gpu: str = "b200"
-    """The trainer's GPU (the study trains on B200): the ladder's first rungs run there."""
-    subset_prompts: int = 128
-    """Prompts for the per-GPU, fleet and sampling configurations (the expensive ones)."""
-    fleet_shares: tuple[tuple[str, float], ...] = ()
-    """Capacity shares of the fleet's groups ("gpu-dtype", share); empty: equal shares."""
-    top_p: float = 0.9
-    """Top-p of the sampling probe's sampler."""
-    staleness_max_lag: int = 8
-    """Largest staleness (optimizer steps behind) the staleness probe measures."""
-    staleness_lr: float = 1e-4
-    """AdamW learning rate of the staleness probe's policy-gradient steps."""
-    staleness_checkpoints: Path | None = None
-    """A directory of the user's checkpoints in training order (replaces the generated steps)."""
-    ci_target: float = 0.0
-    """Keep drawing held-out prompts until every headline KL's 95% half-width is under this
-    fraction of its value (0: off; the study's target is 0.2)."""
-    max_prompts: int = 4096
-    """Cap on prompts drawn for --ci-target."""
-    emulate: bool = False
-    """Emulate `gpu` even on a CUDA machine whose GPU is another one (else that is an error)."""
-    trainer_kernels: str = "torch"
-    """What the trainer side's linear layers run on (mismatch.engines.te.TRAINER_KERNELS):
-    the reference GEMM model, or transformer-engine (CUDA only) in BF16 or a TE recipe."""
-
-    def __post_init__(self) -> None:
-        if self.n_prompts < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
-            raise ProbeError("--n-prompts, --batch-size and --max-new-tokens must be >= 1")
-        if self.subset_prompts < 1 or self.staleness_max_lag < 1 or not 0 < self.top_p <= 1:
-            raise ProbeError("--subset-prompts and --staleness-max-lag must be >= 1 and "
-                             "--top-p in (0, 1]")
-        if self.staleness_lr <= 0:
-            raise ProbeError("--staleness-lr must be > 0")
-        if not 0 <= self.ci_target < 1 or self.max_prompts < self.n_prompts:
-            raise ProbeError("--ci-target must be in [0, 1) and --max-prompts >= --n-prompts")
-        from .engines.te import TRAINER_KERNELS
-
-        if self.trainer_kernels not in TRAINER_KERNELS:
-            raise ProbeError(f"unknown --trainer-kernels {self.trainer_kernels!r}; valid: "
-                             f"{', '.join(TRAINER_KERNELS)}")
-
-
-def load_prompts(tokenizer, path: Path | None, n: int, *, start: int = 0) -> list[list[int]]:
-    """Token-id prompts: the shipped held-out tasks rendered with the chat template (from task
-    `start` on), or a JSONL file of {"messages": [...]} (rendered with the template) or
-    {"prompt": "text"} lines."""
-    if path is None:
-        from .zoo.tasks import TOOLS, generate_tasks
-
-        tasks = generate_tasks("heldout", n, start=start)
-        return [list(tokenizer.apply_chat_template(t.prompt_messages(), tools=TOOLS,
-                                                   add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)) for t in tasks]
-    path = Path(path)
-    if not path.is_file():
-        raise ProbeError(f"prompt file {path} does not exist")
-    prompts: list[list[int]] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ProbeError(f"{path}:{lineno}: not JSON ({exc.msg}); one object per line") from None
-        if isinstance(row, dict) and isinstance(row.get("messages"), list):
-            ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
-        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        else:
-            raise ProbeError(f"{path}:{lineno}: need {{\"messages\": [...]}} or "
-                             f"{{\"prompt\": \"...\"}}")
-        if len(ids) == 0:
-            raise ProbeError(f"{path}:{lineno}: the prompt is empty")
-        prompts.append(list(ids))
-        if len(prompts) == n:
-            break
-    if not prompts:
-        raise ProbeError(f"prompt file {path} holds no prompts")
-    return prompts
 
 
 def _sampler_numerics(model: torch.nn.Module, spec: NumericsSpec, scales: dict):
@@ -209,8 +90,8 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     from .engines.sampler import SamplingParams, generate
     from .engines.scorer import score
     from .engines.te import check_te
-    from .zoo import load_model, load_tokenizer
-    from probes.base import Tally
+    from mismatch.zoo import load_model, load_tokenizer
+    from mismatch.probes.base import Tally
 
     spec = resolve(cfg.gpu, cfg.dtype, cfg.kv_cache)
     trainer = trainer_spec(cfg.trainer_dtype)
@@ -221,7 +102,7 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}
     from transformers import AutoConfig
 
-    from .zoo import check_model_dir
+    from mismatch.zoo import check_model_dir
 
     config = AutoConfig.from_pretrained(check_model_dir(cfg.model, tokenizer=False),
                                         local_files_only=True)
@@ -240,7 +121,7 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
         load_model(cfg.model, dtype=torch_dtype[spec.compute_dtype])
     mode = "measured" if measured else "emulated"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = _eos_ids(tokenizer, trainer_model)
+    eos = eos_ids(tokenizer, trainer_model)
     calib = [(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long)) for p in prompts[:8]]
     scales = calibrate(sampler_model, spec, calib)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -262,7 +143,7 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
             with apply_numerics(sampler_model, spec, scales):
                 rollout = generate(sampler_model, batch, params, pad_id=pad_id, eos_ids=eos,
                                    label=spec.label, mode=mode, keep_full=True)
-        pw = int(rollout.meta["prompt_width"])
+        pw = rollout.prompt_width
         trainer_scores = _trainer_scores(trainer_model, trainer, rollout, cfg.trainer_kernels,
                                          full_from=pw)
         with apply_numerics(sampler_model, spec, scales, kernels=False):
@@ -271,7 +152,8 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
               "sampler": rollout.sampler_logprobs}
         full = {"trainer": trainer_scores.full_logprobs,
                 "precision": precision_scores.full_logprobs,
-                "sampler": rollout.meta.pop("full_logprobs")}
+                "sampler": rollout.full_logprobs}
+        rollout.full_logprobs = None  # the [B, n, V] rows never outlive their batch
         del trainer_scores, precision_scores
         exact = exact_split(full, width)  # [B, W] each
         del full  # the [B, n, V] rows never outlive their batch
@@ -334,16 +216,9 @@ def _trainer_scores(model: torch.nn.Module, trainer: NumericsSpec, rollout: Roll
         model.cpu()
 
 
-def _eos_ids(tokenizer, model) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    gen = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(gen if isinstance(gen, (list, tuple)) else [gen])
-    return {i for i in ids if isinstance(i, int)}
-
-
 def _completion_slice(x: torch.Tensor, rollout: Rollout, width: int) -> torch.Tensor:
     """The completion part [B, width] (zero-padded): the positions after the padded prompt."""
-    part = x[:, int(rollout.meta["prompt_width"]):]
+    part = x[:, rollout.prompt_width:]
     out = torch.zeros(x.shape[0], width, dtype=x.dtype)
     out[:, :part.shape[1]] = part[:, :width]
     return out

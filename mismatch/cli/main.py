@@ -62,7 +62,7 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
 @app.command("formats")
 def formats_command() -> None:
     """List the number formats (codecs) this build can encode, decode and emulate."""
-    from quantize.codecs import CODECS
+    from mismatch.quantize.codecs import CODECS
 
     width = max(len(name) for name in CODECS)
     for name, spec in CODECS.items():
@@ -86,7 +86,7 @@ def quantize_command(
 ) -> None:
     """Write a calibrated modelopt checkpoint (needs the `quantize` extra: nvidia-modelopt)."""
     try:
-        from quantize.checkpoint import QuantizeConfig, quantize_checkpoint
+        from mismatch.quantize.checkpoint import QuantizeConfig, quantize_checkpoint
 
         if model is None:
             model = _embedded_model_dir()
@@ -191,14 +191,14 @@ def probe_command(
 
     quiet_libraries()
 
-    from mismatch.probe import ProbeConfig, run_probe
+    from mismatch.app.probe import ProbeConfig, run_probe
     from mismatch.profiles import resolve
-    from mismatch.report import format_table, write_probe_outputs
+    from mismatch.app.report import format_table, write_probe_outputs
 
     try:
         resolve(gpu, dtype, kv_cache)  # fail fast, before loading anything
         resolve(trainer_gpu, trainer_dtype)
-        from probes import parse_sources
+        from mismatch.probes import parse_sources
 
         cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache, trainer_dtype=trainer_dtype,
                           model=model, prompts=prompts, n_prompts=n_prompts,
@@ -215,7 +215,7 @@ def probe_command(
             raise ValueError("--trainer-kernels applies to the quick probe; the source probes "
                              "(--sources, --ladder) run the reference trainer")
         if cfg.sources or cfg.ladder:
-            from probes.accelerator import fleet_groups
+            from mismatch.probes.accelerator import fleet_groups
 
             fleet_groups(cfg.fleet_shares)  # bad shares fail before any work
     except ValueError as exc:
@@ -280,7 +280,7 @@ def qualify_command(
     import json as _json
 
     quiet_libraries()
-    from mismatch.qualify import load_policy, qualify_emulated, write_outputs
+    from mismatch.app.qualify import load_policy, qualify_emulated, write_outputs
 
     command = "mismatch " + " ".join(sys.argv[1:]) if sys.argv[1:] else "mismatch qualify"
     try:
@@ -289,7 +289,7 @@ def qualify_command(
             if gpu is None or dtype is None:
                 raise ValueError("pass --gpu and --dtype for an emulated sampler, or --sampler "
                                  "URL --engine vllm|sglang for a live one")
-            from mismatch.probe import ProbeConfig
+            from mismatch.app.probe import ProbeConfig
             from mismatch.profiles import resolve
 
             spec = resolve(gpu, dtype, kv_cache)
@@ -301,7 +301,7 @@ def qualify_command(
                                     quiet=as_json)
         else:
             try:
-                from mismatch.remote.qualify import qualify_remote
+                from mismatch.app.qualify_remote import qualify_remote
             except ImportError as exc:
                 raise ValueError(f"live servers cannot be qualified by this install ({exc}); "
                                  f"qualify an emulated sampler with --gpu/--dtype") from None
@@ -371,8 +371,8 @@ def _parse_shares(text: str | None) -> tuple[tuple[str, float], ...]:
 def _probe_sources(cfg, target: Path, command: str, as_json: bool) -> None:
     """`mismatch probe --sources ... [--ladder]`: run, write, print."""
 
-    from mismatch.sources_report import format_sources_table, write_sources_outputs
-    from probes.runner import run_sources
+    from mismatch.app.sources_report import format_sources_table, write_sources_outputs
+    from mismatch.probes.runner import run_sources
 
     try:
         run = _run_with_bars(lambda progress: run_sources(cfg, progress), quiet=as_json)
@@ -401,19 +401,19 @@ def _with_progress(fn, cfg, *, quiet: bool):
 
 
 def _register_zoo() -> None:
-    from mismatch.zoo.cli import zoo_app
+    from mismatch.cli.zoo import zoo_app
 
     app.add_typer(zoo_app, name="zoo")
 
 
 def _register_monitor() -> None:
-    from mismatch.monitor_cli import monitor_command
+    from mismatch.cli.monitor import monitor_command
 
     app.command("monitor")(monitor_command)
 
 
 def _register_train() -> None:
-    from mismatch.train_cli import report_command, study_command, train_command
+    from mismatch.cli.train import report_command, study_command, train_command
 
     app.command("train")(train_command)
     app.command("report")(report_command)
@@ -427,7 +427,7 @@ _register_train()
 
 def main() -> None:
     """Console-script entry point."""
-    from .runtime import tune_allocator
+    from mismatch.runtime import tune_allocator
 
     tune_allocator()
     try:

@@ -79,10 +79,10 @@ def train_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Train the embedded model with corrected asynchronous GRPO on a sampler fleet."""
-    from mismatch.cli import fail, quiet_libraries
+    from mismatch.cli.main import fail, quiet_libraries
 
     quiet_libraries()
-    from train.trainer import EXIT_STOPPED, check_out, preset_config, run
+    from mismatch.train.trainer import EXIT_STOPPED, check_out, preset_config, run
 
     try:
         cfg = preset_config(preset, correction=correction, steps=steps, lr=lr,
@@ -108,7 +108,7 @@ def train_command(
                              "--placement are options of --backend ray")
         engine = None
         if backend == "ray":
-            from train.ray_backend import RayBackend
+            from mismatch.train.ray_backend import RayBackend
 
             engine = RayBackend(address, replicas=replicas, trainer_ranks=trainer_ranks,
                                 placement=placement, weights_dir=weights_dir)
@@ -125,7 +125,7 @@ def train_command(
     except ValueError as exc:
         fail(str(exc))
     except RuntimeError as exc:
-        from train.ray_backend import BackendError
+        from mismatch.train.ray_backend import BackendError
 
         if not isinstance(exc, BackendError):
             raise
@@ -188,9 +188,9 @@ def report_command(
                                        "RUN_DIR/report)."),
 ) -> None:
     """Draw a training run's curves (reward, KL, format errors, masked fraction, ...)."""
-    from mismatch.cli import fail
+    from mismatch.cli.main import fail
 
-    from train.report import write_report
+    from mismatch.train.report import write_report
 
     dirs = [run_dir] + list(others or [])
     try:
@@ -250,13 +250,13 @@ def study_command(
 ) -> None:
     """Run the study's grid (fleet x staleness x arm x seed) as separate processes, resumably,
     and aggregate it into a report."""
-    from mismatch.cli import fail, quiet_libraries
+    from mismatch.cli.main import fail, quiet_libraries
 
     quiet_libraries()
     from dataclasses import replace
 
-    from train.study import STUDY_PRESETS, StudyConfig, run_grid
-    from train.study_report import aggregate
+    from mismatch.train.study import STUDY_PRESETS, StudyConfig, run_grid
+    from mismatch.train.study_report import aggregate
 
     grid_command = ""
     try:
@@ -307,7 +307,7 @@ def study_command(
         fail(f"cannot write the report {report or out / 'study.md'}: {exc.strerror or exc}")
     typer.echo(f"wrote {path}")
     if export is not None:
-        from train.study import export_logs
+        from mismatch.train.study import export_logs
 
         try:
             runs = export_logs(cfg, out, export)
@@ -324,7 +324,7 @@ def _saved_study(out: Path, cfg, over: dict):
     import json
     from dataclasses import fields, replace
 
-    from train.study import StudyConfig
+    from mismatch.train.study import StudyConfig
 
     meta = out / "study.json"
     if not meta.exists():

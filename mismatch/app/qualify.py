@@ -110,7 +110,7 @@ def load_policy(path: Path | None = None) -> Policy:
             raise PolicyError(f"policy {path}: unknown figure {key!r} in [budgets]; known: "
                               f"{', '.join(list(TOTAL_METRICS) + list(SOURCE_METRICS))}")
         budgets[key] = _limit(path, key, value)
-    from probes import SOURCES
+    from mismatch.probes import SOURCES
 
     sources: dict[str, dict[str, float]] = {}
     for name, table in (data.get("sources") or {}).items():
@@ -132,7 +132,7 @@ def load_policy(path: Path | None = None) -> Policy:
 def needed_sources(policy: Policy) -> tuple[str, ...]:
     """The source probes the policy's figures need, plus the attribution sources, in registry
     order."""
-    from probes import SOURCES
+    from mismatch.probes import SOURCES
 
     want = set(ATTRIBUTION) | set(policy.sources)
     want |= {key.split(".", 1)[0] for key in policy.budgets if "." in key}
@@ -226,7 +226,7 @@ def write_outputs(out: Path, result: dict, command: str) -> Path:
     written together or not at all."""
     import json
 
-    from .report import atomic_directory
+    from mismatch.io import atomic_directory
 
     with atomic_directory(out) as tmp:
         verdict_json = {k: v for k, v in result.items() if k != "summary"}
@@ -240,7 +240,7 @@ def qualify_emulated(cfg, policy: Policy, progress=None) -> dict:
     """Run the probes `policy` needs for an emulated sampler; the verdict and its evidence."""
     from dataclasses import replace
 
-    from probes.runner import run_sources
+    from mismatch.probes.runner import run_sources
 
     run = run_sources(replace(cfg, sources=needed_sources(policy)), progress)
     return _result(policy, run.summary, mode="emulated",

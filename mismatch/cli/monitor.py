@@ -31,8 +31,8 @@ from typing import Callable, Iterator
 
 import typer
 
-from probes.formats import ADAPTERS
-from probes.formats.reader import (RecordReader, expected_input, looks_like_state_file,
+from mismatch.probes.formats import ADAPTERS
+from mismatch.probes.formats.reader import (RecordReader, expected_input, looks_like_state_file,
                                    read_trainer_state, trainer_state_path)
 
 __all__ = ["monitor_command", "follow_lines"]
@@ -160,7 +160,7 @@ class _JsonLines:
 def _sinks(as_json: bool, alert_log: Path | None, prometheus_port: int | None,
            webhook: str | None) -> list:
     """The sinks the options ask for; ValueError (bad input) when one cannot start."""
-    from probes.sinks import JsonlSink, PrometheusSink, TerminalSink, WebhookSink
+    from mismatch.probes.sinks import JsonlSink, PrometheusSink, TerminalSink, WebhookSink
 
     sinks: list = []
     try:
@@ -234,7 +234,7 @@ def _print_summary(summary: dict) -> None:
 
 def _known_baselines(path: Path, adapter) -> dict[str, float]:
     """The baselines of a known-good run's log (read with the same adapter as the watched one)."""
-    from probes.monitor import baselines_from
+    from mismatch.probes.monitor import baselines_from
 
     if not (path.is_file() or _reads_state(path, adapter)):
         raise ValueError(f"--baseline {path}: no such file; pass a finished run's metrics log")
@@ -323,12 +323,12 @@ def monitor_command(
 ) -> None:
     """Watch a training run's metrics for the collapse signature: exit 0 quiet, 1 alert, 2 bad
     input."""
-    from mismatch.cli import fail
+    from mismatch.cli.main import fail
 
     try:
-        from probes.alerts import SEVERITIES, severity_rank
-        from probes.formats import get_adapter
-        from probes.monitor import CollapseMonitor, MonitorConfig
+        from mismatch.probes.alerts import SEVERITIES, severity_rank
+        from mismatch.probes.formats import get_adapter
+        from mismatch.probes.monitor import CollapseMonitor, MonitorConfig
 
         if fail_on not in SEVERITIES:
             raise ValueError(f"--fail-on must be warning or critical, got {fail_on!r}")

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
-from ..probe import ProbeError, _completion_slice, _eos_ids, load_prompts
-from ..qualify import Policy, _result
-from .canary import run_canary
-from .sglang_client import SglangClient
-from .vllm_client import VllmClient
+from mismatch.app.probe import _completion_slice
+from mismatch.probes.config import ProbeError
+from mismatch.zoo.prompts import eos_ids, load_prompts
+from mismatch.app.qualify import Policy, _result
+from mismatch.remote.canary import run_canary
+from mismatch.remote.sglang_client import SglangClient
+from mismatch.remote.vllm_client import VllmClient
 
 __all__ = ["ENGINES", "qualify_remote"]
 
@@ -35,13 +37,13 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
                    dtype: str | None = None,
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Sample from the server at `url`, re-score locally, check `policy`; the verdict dict."""
-    from probes.base import Tally
-    from probes.retokenization import round_trip
+    from mismatch.probes.base import Tally
+    from mismatch.probes.retokenization import round_trip
 
     from ..engines.numerics import apply_numerics
     from ..engines.scorer import score
-    from ..profiles import trainer_spec
-    from ..zoo import load_model, load_tokenizer
+    from mismatch.profiles import trainer_spec
+    from mismatch.zoo import load_model, load_tokenizer
 
     if engine is None or engine.lower() not in ENGINES:
         raise ProbeError(f"--engine must be one of {', '.join(ENGINES)} with --sampler, got "
@@ -53,7 +55,7 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
     if sum(p.numel() for p in trainer_model.parameters()) < 50_000_000:
         torch.set_num_threads(1)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = _eos_ids(tokenizer, trainer_model)
+    eos = eos_ids(tokenizer, trainer_model)
     client = ENGINES[engine.lower()](url, timeout=timeout, max_concurrency=concurrency,
                                      pad_id=pad_id, eos_ids=eos)
     canary = run_canary(client, tokenizer)

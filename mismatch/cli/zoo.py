@@ -2,7 +2,7 @@
 
 Thin: each command builds a config and calls the library; torch and transformers are imported
 inside the commands so that `mismatch --help` stays instant. Register with
-`app.add_typer(zoo_app, name="zoo")`; run standalone with `python -m mismatch.zoo.cli`.
+`app.add_typer(zoo_app, name="zoo")`; run standalone with `python -m mismatch.cli.zoo`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def build_command(
     """Train the tiny model and its tokenizer from scratch (one CPU thread, reproducible)."""
     from dataclasses import replace
 
-    from .build import BuildConfig, build
-    from .card import summary_lines
+    from mismatch.zoo.build import BuildConfig, build
+    from mismatch.zoo.card import summary_lines
 
     base = BuildConfig(seed=seed)
     config = replace(base, train=replace(base.train, steps=steps))
@@ -46,7 +46,7 @@ def build_command(
 @zoo_app.command("path")
 def path_command() -> None:
     """Print the directory of the embedded model."""
-    from .loading import default_model_dir
+    from mismatch.zoo.loading import default_model_dir
 
     typer.echo(str(default_model_dir()))
 
@@ -57,15 +57,15 @@ def info_command(
         None, "--model", help="A zoo model directory (default: the embedded model)."),
 ) -> None:
     """Print the figures of the model card (size, held-out perplexity, peakedness)."""
-    from .card import read_build_info, summary_lines
-    from .loading import check_model_dir
+    from mismatch.zoo.card import read_build_info, summary_lines
+    from mismatch.zoo.loading import check_model_dir
 
     for line in summary_lines(read_build_info(check_model_dir(model))):
         typer.echo(line)
 
 
 def main() -> None:
-    """Standalone entry point (`python -m mismatch.zoo.cli`); bad input exits 2 with one line."""
+    """Standalone entry point (`python -m mismatch.cli.zoo`); bad input exits 2 with one line."""
     try:
         zoo_app()
     except ValueError as exc:

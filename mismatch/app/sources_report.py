@@ -214,7 +214,7 @@ def sources_markdown(summary: dict, command: str, plots: list[str]) -> str:
 
 
 def _plots(tmp: Path, run) -> list[str]:
-    from mismatch.report import save_figure
+    from mismatch.io import save_figure
     import matplotlib
 
     matplotlib.use("Agg")
@@ -315,7 +315,7 @@ def _plots(tmp: Path, run) -> list[str]:
 
 def write_sources_outputs(out: Path, run, command: str) -> Path:
     """results.json, report.md and plots into `out`, via a temporary sibling."""
-    from mismatch.report import atomic_directory
+    from mismatch.io import atomic_directory
 
     with atomic_directory(out) as tmp:
         summary = dict(run.summary, command=command)
@@ -367,7 +367,7 @@ def fleet_markdown(summary: dict, command: str, plot: str | None = None) -> str:
 
 def fleet_plot(summary: dict, path: Path) -> None:
     """Per-group KL bars with intervals, and the capacity-weighted fleet."""
-    from mismatch.report import save_figure
+    from mismatch.io import save_figure
     import matplotlib
 
     matplotlib.use("Agg")

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
-__all__ = ["atomic_directory", "format_table", "markdown_report", "save_figure",
-           "split_check", "write_probe_outputs"]
+from mismatch.io import atomic_directory, save_figure
+
+__all__ = ["format_table", "markdown_report", "split_check", "write_probe_outputs"]
 
 _ESTIMATOR = {"kl_k3", "kl_k1", "ess", "kl_k3_ci95"}
 """Figures that estimate KL(μ‖π) or weigh by π/μ: valid only on tokens drawn from μ itself."""
@@ -111,16 +109,6 @@ def markdown_report(summary: dict, command: str) -> str:
     return "\n".join(out)
 
 
-def save_figure(fig, path: Path) -> str:
-    """Lay out, write (110 dpi) and close one matplotlib figure; returns the file's name."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path).name
-
-
 def _plots(tmp: Path, log_ratio: torch.Tensor, per_position: dict[str, list[float]],
            title: str) -> None:
     import matplotlib
@@ -149,28 +137,6 @@ def _plots(tmp: Path, log_ratio: torch.Tensor, per_position: dict[str, list[floa
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     save_figure(fig, tmp / "per_position.png")
-
-
-@contextlib.contextmanager
-def atomic_directory(out: Path, *, force: bool = True):
-    """Yield a fresh temporary sibling of `out` to fill; when the block succeeds it replaces
-    `out` (which must not exist unless `force`), when it fails it is removed: a reader never
-    sees a half-written `out`."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        if out.exists():
-            if not force:
-                raise FileExistsError(f"{out} exists")
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_probe_outputs(out: Path, result, command: str, *, force: bool = True) -> Path:

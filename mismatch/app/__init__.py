@@ -1,0 +1,1 @@
+"""The applications: the pipelines the CLI calls (probe, qualify, reports), above `train`."""

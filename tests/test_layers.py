@@ -1,0 +1,120 @@
+"""The architecture as a test: installed names live under `mismatch.*`, every package folder is
+installed, and no module imports from a layer above its own (README, Architecture).
+
+Layers, bottom to top: quantize → core (formats, engines, zoo, metrics, kernels, records,
+profiles, remote clients) → probes (source probes and the monitor) → train → applications
+(mismatch.app, integrations) → the CLI. Imports are read with `ast`, so a lazy import inside a
+function counts as much as one at the top of the file.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"mismatch": "mismatch", "quantize": "mismatch.quantize", "probes": "mismatch.probes",
+           "train": "mismatch.train"}
+LAYERS = ("quantize", "core", "probes", "train", "app", "cli")
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    parts = list(rel.with_suffix("").parts[1:])
+    if parts and parts[-1] in ("__init__", "__main__"):
+        parts = parts[:-1]
+    return ".".join([FOLDERS[rel.parts[0]], *parts])
+
+
+def _layer(module: str) -> str:
+    for prefix, layer in (("mismatch.quantize", "quantize"), ("mismatch.probes", "probes"),
+                          ("mismatch.train", "train"), ("mismatch.app", "app"),
+                          ("mismatch.integrations", "app"), ("mismatch.cli", "cli")):
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    return "core"
+
+
+def _sources():
+    for folder in FOLDERS:
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def _imports(path: Path):
+    """(line, absolute module name) of every import in `path`, relative ones resolved."""
+    module = _module(path)
+    package = module if path.stem == "__init__" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            yield node.lineno, name
+            if node.level and not node.module:  # `from . import x`: x is a module
+                for alias in node.names:
+                    yield node.lineno, f"{name}.{alias.name}"
+
+
+def test_layers_point_one_way():
+    upward = []
+    for path in _sources():
+        mine = LAYERS.index(_layer(_module(path)))
+        for line, name in _imports(path):
+            if name.split(".")[0] != "mismatch":
+                continue
+            theirs = LAYERS.index(_layer(name))
+            if theirs > mine:
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({LAYERS[mine]}) imports "
+                              f"{name} ({LAYERS[theirs]})")
+    assert not upward, "imports from a layer above:\n" + "\n".join(upward)
+
+
+def test_no_top_level_names_but_mismatch():
+    """No module of the project imports `train`, `probes` or `quantize` as a top-level package
+    (they install as mismatch.train, mismatch.probes, mismatch.quantize)."""
+    stray = [f"{p.relative_to(ROOT)}:{line} imports {name}"
+             for folder in (*FOLDERS, "tests", "scripts") for p in sorted((ROOT / folder).rglob("*.py"))
+             for line, name in (_imports(p) if folder in FOLDERS else _plain_imports(p))
+             if name.split(".")[0] in ("train", "probes", "quantize")]
+    assert not stray, "\n".join(stray)
+
+
+def _plain_imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            yield node.lineno, node.module
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists every folder with an __init__.py under its installed name, and maps
+    the three top-level folders into the namespace."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        tomllib = pytest.importorskip("tomli")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {_module(init) for folder in FOLDERS for init in (ROOT / folder).rglob("__init__.py")}
+    assert set(config["packages"]) == found
+    assert config["package-dir"] == {name: folder for folder, name in FOLDERS.items()}
+
+
+def test_installed_import_names():
+    import mismatch.probes.monitor
+    import mismatch.quantize.codecs
+    import mismatch.train.loss
+
+    assert Path(mismatch.train.loss.__file__).parent == ROOT / "train"
+    assert Path(mismatch.probes.monitor.__file__).parent.is_relative_to(ROOT / "probes")
+    assert Path(mismatch.quantize.codecs.__file__).parent == ROOT / "quantize"
