@@ -40,8 +40,8 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
     from mismatch.probes.base import Tally
     from mismatch.probes.retokenization import round_trip
 
-    from ..engines.numerics import apply_numerics
-    from ..engines.scorer import score
+    from mismatch.engines.numerics import apply_numerics
+    from mismatch.engines.scorer import score
     from mismatch.profiles import trainer_spec
     from mismatch.zoo import load_model, load_tokenizer
 

@@ -24,6 +24,17 @@ app = typer.Typer(
 EXIT_BAD_INPUT = 2
 
 
+_QUIETED_WARNINGS = (
+    # torch.jit's deprecation notices, raised while modelopt and deepspeed import their kernels
+    (r"`torch\.jit\.script", DeprecationWarning, ""),
+    # the optional quantization libraries' import-time notices (missing CUDA extensions)
+    ("", UserWarning, r"(torchao|modelopt|deepspeed)(\.|$)"),
+    ("", FutureWarning, r"(torchao|modelopt|deepspeed|transformers)(\.|$)"),
+)
+"""(message regex, category, module regex) of the only warnings the CLI silences; anything else
+still reaches the user."""
+
+
 def quiet_libraries() -> None:
     """Silence import-time chatter of optional libraries (torchao's missing CUDA extensions,
     deepspeed's accelerator notice, transformers' progress bars) and stay offline: every model
@@ -39,9 +50,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for name in ("torchao", "torch.utils._pytree", "DeepSpeed", "deepspeed", "modelopt"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for message, category, module in _QUIETED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
