@@ -23,6 +23,7 @@ __all__ = ["JsonlSink", "TerminalSink", "open_sinks"]
 
 
 def _fmt(x: float | None) -> str:
+    """A value as a person reads it: 4 significant digits, a dash for none."""
     if x is None:
         return "—"
     try:
