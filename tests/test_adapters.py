@@ -17,9 +17,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from mismatch.cli.monitor import follow_state, monitor_command
-from mismatch.probes.formats import ADAPTERS, get_adapter
-from mismatch.probes.formats.reader import RecordReader
+from mismatch.cli.monitor import monitor_command
+from mismatch.probes.monitor import follow_state
+from mismatch.probes.monitor.formats import ADAPTERS, RecordReader, get_adapter
 
 
 def _run(*args: str):

@@ -1,4 +1,5 @@
-"""Alert sinks of the collapse monitor (probes/sinks.py) and its Prometheus rules.
+"""Alert sinks of the collapse monitor (probes/monitor/: sinks.py, prometheus.py, webhook.py)
+and its Prometheus rules.
 
 Everything runs on loopback (127.0.0.1) with real sockets: the exporter is scraped
 over HTTP, webhooks go to a local http.server in a thread. Every wait has a
@@ -26,8 +27,9 @@ import pytest
 import yaml
 from rich.console import Console
 
-from mismatch.probes.alerts import SEVERITIES, SIGNALS, Alert
-from mismatch.probes.sinks import JsonlSink, PrometheusSink, TerminalSink, WebhookSink
+from mismatch.probes.monitor import (SEVERITIES, SIGNALS, Alert, JsonlSink, PrometheusSink,
+                                     TerminalSink)
+from mismatch.probes.monitor.webhook import WebhookSink
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "mismatch" / "monitor_rules.yml"
@@ -425,8 +427,7 @@ def test_jsonl_crash_leaves_whole_lines(tmp_path):
     path = tmp_path / "alerts.jsonl"
     code = (
         "import os, sys\n"
-        "from probes.alerts import Alert\n"
-        "from probes.sinks import JsonlSink\n"
+        "from mismatch.probes.monitor import Alert, JsonlSink\n"
         "sink = JsonlSink(sys.argv[1])\n"
         "for step in range(200):\n"
         "    sink.emit(Alert(step=step, signal='kl', severity='critical',\n"

@@ -8,8 +8,8 @@ native names, and any adapter reads them.
 
 from __future__ import annotations
 
-from mismatch.probes.alerts import SIGNALS
-from mismatch.probes.formats.adapter import Adapter
+from mismatch.probes.monitor.signals import SIGNALS
+from mismatch.probes.monitor.formats.adapter import Adapter
 
 __all__ = ["ADAPTERS"]
 
@@ -34,7 +34,8 @@ ADAPTERS: dict[str, Adapter] = {a.name: a for a in (
     Adapter(
         name="native",
         fields={s: (s,) for s in SIGNALS},
-        description="this project's field names (probes.alerts.SIGNALS), `step`, `episodes`",
+        description="this project's field names (mismatch.probes.monitor.SIGNALS), `step`, "
+                    "`episodes`",
     ),
     # verl: volcengine/verl@b178a3c. Its file logger (trainer.logger includes "file") writes
     # {"step": N, "data": {...}} per step to $VERL_FILE_LOGGER_PATH, else
@@ -65,7 +66,7 @@ ADAPTERS: dict[str, Adapter] = {a.name: a for a in (
         description="verl's file logger lines {step, data: {...}}",
     ),
     # slime: THUDM/slime@624b824. Writes no metrics file of its own: wandb / tensorboard, and
-    # console lines `[time] file:line - <kind> <n>: {dict repr}` (probes/formats/console.py).
+    # console lines `[time] file:line - <kind> <n>: {dict repr}` (console.py).
     # Two step axes: rollout lines carry the rollout id (slime/observability/
     # train_metric_utils.py gather_log_data; rollout/step in wandb), train lines train/step =
     # rollout_id * num_steps_per_rollout + step_id (slime/backends/megatron_utils/model.py

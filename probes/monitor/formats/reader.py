@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping
 
-from mismatch.probes.formats.adapter import Adapter
-from mismatch.probes.formats.console import CONSOLE_EXAMPLE, parse_console_line
+from mismatch.probes.monitor.formats.adapter import Adapter
+from mismatch.probes.monitor.formats.console import CONSOLE_EXAMPLE, parse_console_line
 
 __all__ = ["RecordReader", "read_trainer_state", "trainer_state_path", "expected_input"]
 

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from mismatch.probes.alerts import SIGNALS
+from mismatch.probes.monitor.signals import SIGNALS
 
 __all__ = ["Adapter", "parse_map", "glob_matches"]
 
@@ -44,7 +44,7 @@ class Adapter:
     train_step: tuple[str, ...] = ()
     """Frameworks with two step axes (slime, Miles): candidate fields of the train-step axis.
     A line with one of these gets `"train_step"` in its record too, for
-    `probes.formats.reader.RecordReader` to put on the `step` axis."""
+    `formats.reader.RecordReader` to put on the `step` axis."""
     envelope: tuple[str, ...] = ()
     """Keys whose dict value holds the metrics (merged into the line before lookup)."""
     event_type: str | None = None

@@ -1,23 +1,38 @@
-"""What the collapse monitor emits, and where it can send it.
+"""The monitor's vocabulary: the signals it reads, the alerts it emits, and where they go.
 
+`SIGNALS` are the field names of the native metrics format (what train/trainer.py logs and
+`mismatch monitor` reads without an adapter); `as_number` is what counts as a value of one.
 An `Alert` is one episode of trouble on one signal (the monitor debounces: one alert when a
-signal crosses into a severity, not one per step). A sink receives alerts as they fire and, for
-exporters, the monitor's current view of every signal after each step.
+signal crosses into a severity, not one per step). A `Sink` receives alerts as they fire and,
+for exporters, the monitor's current view of every signal after each step.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-__all__ = ["SEVERITIES", "SIGNALS", "Alert", "Sink", "severity_rank"]
+__all__ = ["SEVERITIES", "SIGNALS", "Alert", "Sink", "alert_json", "as_number", "severity_rank"]
 
 SIGNALS = ("kl", "format_error_rate", "reward", "sc_tail_ratio", "mis_masked_fraction",
            "entropy", "response_length")
 """The monitored signals, in the native metrics format's field names."""
 SEVERITIES = ("warning", "critical")
 Severity = Literal["warning", "critical"]
+
+
+def as_number(x: Any) -> float | None:
+    """x as a float if it is a number (Python, numpy or torch scalar; not a bool), else None."""
+    if type(x) is float or type(x) is int:
+        return float(x)
+    if isinstance(x, bool) or isinstance(x, (str, bytes)) or not hasattr(x, "__float__"):
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):  # e.g. an array of several values
+        return None
 
 
 def severity_rank(severity: str) -> int:
@@ -46,6 +61,18 @@ class Alert:
         return {"step": self.step, "signal": self.signal, "severity": self.severity,
                 "value": clean(self.value), "baseline": clean(self.baseline),
                 "message": self.message}
+
+
+def _json_default(obj: Any) -> Any:
+    """numpy / torch scalars and the like: as a float, non-finite as null."""
+    x = float(obj)
+    return x if math.isfinite(x) else None
+
+
+def alert_json(alert: Alert) -> str:
+    """The alert as one line of strict JSON (no NaN/Infinity): `Alert.to_json()`."""
+    return json.dumps(alert.to_json(), default=_json_default, allow_nan=False,
+                      separators=(",", ":"))
 
 
 class Sink(Protocol):

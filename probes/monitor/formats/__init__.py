@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from mismatch.probes.formats.adapter import Adapter, parse_map
-from mismatch.probes.formats.frameworks import ADAPTERS
+from mismatch.probes.monitor.formats.adapter import Adapter, parse_map
+from mismatch.probes.monitor.formats.frameworks import ADAPTERS
+from mismatch.probes.monitor.formats.reader import RecordReader
 
-__all__ = ["Adapter", "ADAPTERS", "get_adapter", "parse_map"]
+__all__ = ["Adapter", "ADAPTERS", "RecordReader", "get_adapter", "parse_map"]
 
 
 def get_adapter(name: str, mapping: Sequence[str] | None = None) -> Adapter:

@@ -1,0 +1,189 @@
+"""The rule table: how each monitored signal is judged, and the monitor's thresholds.
+
+A `SignalRule` turns one value and its reference into a level (normal / warning / critical), by
+its kind:
+
+- `growth`: value / baseline ≥ threshold, and value ≥ `floor` (the KL, the SC tail ratio);
+- `fall`: value / baseline ≤ threshold (entropy);
+- `share`: an absolute share above max(threshold, baseline + `margin`) (format errors);
+- `drop`: fall from the running peak, as a fraction of the peak (the reward).
+
+`default_rules()` is the shipped table, each number justified by the study; `MonitorConfig`
+holds the table with what the state machine (state.py) needs around it: the baseline window,
+how many steps make a level sustained, corroboration and re-arming. `judge` is the level of
+one value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
+
+from mismatch.probes.monitor.signals import SIGNALS
+
+__all__ = ["SignalRule", "MonitorConfig", "default_rules", "judge", "NORMAL", "WARNING",
+           "CRITICAL"]
+
+RuleKind = Literal["growth", "fall", "share", "drop"]
+_KINDS = ("growth", "fall", "share", "drop")
+NORMAL, WARNING, CRITICAL = 0, 1, 2
+"""A step's level, ordered: comparisons (level >= WARNING) are how the state machine counts."""
+_TINY_BASELINE = 1e-12  # growth/fall/drop need a positive reference: below it, not judged
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignalRule:
+    """How one signal is judged against its baseline."""
+
+    kind: RuleKind
+    """growth: value / baseline ≥ threshold; fall: value / baseline ≤ threshold; share: absolute
+    share ≥ max(threshold, baseline + margin); drop: (peak − value) / peak ≥ threshold."""
+    warning: float | None
+    """Threshold of a warning (None: never warns)."""
+    critical: float | None = None
+    """Threshold of a critical alert (None: this signal alone never goes critical)."""
+    floor: float = 0.0
+    """growth: the value must also reach this absolute level (a 3× rise of a negligible masked
+    fraction is still negligible)."""
+    margin: float = 0.0
+    """share: the share must also exceed the baseline by this much (an environment whose healthy
+    share is already high is judged against its own level)."""
+    smooth_steps: int = 1
+    """Judge the median of the last this-many values (1: the value itself)."""
+    hint: str = ""
+    """What to look at, appended to the alert's message."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"SignalRule.kind must be one of {', '.join(_KINDS)}, "
+                             f"got {self.kind!r}")
+        if self.warning is None and self.critical is None:
+            raise ValueError("SignalRule needs a warning or a critical threshold")
+        if self.smooth_steps < 1:
+            raise ValueError(f"SignalRule.smooth_steps must be >= 1, got {self.smooth_steps}")
+        if self.warning is not None and self.critical is not None:
+            rising = self.kind != "fall"
+            if (self.critical < self.warning) if rising else (self.critical > self.warning):
+                raise ValueError(f"SignalRule ({self.kind}): critical {self.critical} is milder "
+                                 f"than warning {self.warning}")
+        if self.kind == "drop" and any(x is not None and not 0 < x <= 1
+                                       for x in (self.warning, self.critical)):
+            raise ValueError("SignalRule (drop): thresholds are fractions of the peak in (0, 1]")
+
+
+def default_rules() -> dict[str, SignalRule]:
+    """The shipped rules, one per signal; why each number is what it is:
+
+    - kl: the study's collapses all grew the sampler–trainer KL 3× or more (critical); 2× is the
+      first sign, and with format errors or a reward fall at the same time it is the signature.
+    - format_error_rate: 62% of episodes ended this way at the collapsed checkpoint, against a
+      few percent in healthy runs; 15% is far above binomial noise for batches of hundreds of
+      episodes, 30% is a third of the batch gone.
+    - reward: a quarter off its peak is a warning, half is critical on its own (by then KL and
+      format errors should have fired). Smoothed over 5 steps: a batch's mean reward is noisy.
+      The fall is a fraction of the peak, so the reward must be non-negative (0/1 pass rates).
+    - sc_tail_ratio: the SC tail ratio was ~1.2 in stable runs and rose to 52 when SC alone
+      collapsed (NUMERICS §5): 2× is a warning, 5× is out of anything a stable run showed.
+    - mis_masked_fraction: moves with the KL (2× / 3×), but only above the 1% that `qualify`'s
+      default policy allows (below it, MIS wastes little whatever the ratio).
+    - entropy, response_length: warnings only. The study's stable runs' entropy moved both ways
+      and trajectory length showed no consistent pattern across collapses, so neither decides a
+      run's fate alone; halving entropy or doubling length is still worth a look.
+    """
+    return {
+        "kl": SignalRule(kind="growth", warning=2.0, critical=3.0,
+                         hint="check the sampler's precision, its staleness and the IS correction "
+                              "(MIS + SC)"),
+        "format_error_rate": SignalRule(
+            kind="share", warning=0.15, critical=0.30, margin=0.10,
+            hint="the policy is stopping its tool calls (empty replies): the collapse's ending"),
+        "reward": SignalRule(kind="drop", warning=0.25, critical=0.5, smooth_steps=5,
+                             hint="compare with KL and format errors of the same steps"),
+        "sc_tail_ratio": SignalRule(kind="growth", warning=2.0, critical=5.0,
+                                    hint="score centering's tail model is breaking down; SC "
+                                         "needs MIS"),
+        "mis_masked_fraction": SignalRule(kind="growth", warning=2.0, critical=3.0, floor=0.01,
+                                          hint="MIS is discarding a growing share of tokens"),
+        "entropy": SignalRule(kind="fall", warning=0.5,
+                              hint="policy entropy is collapsing: exploration is drying up"),
+        "response_length": SignalRule(kind="growth", warning=2.0,
+                                      hint="responses are running away (repetition?)"),
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """Baselines, persistence and debouncing of the collapse monitor."""
+
+    rules: Mapping[str, SignalRule] = field(default_factory=default_rules)
+    """signal → its rule; a signal without a rule is tracked (values()) but never judged."""
+    warmup_steps: int = 3
+    """First observations of each signal left out of its baseline (the first steps of a run are
+    atypical: weights just loaded, no staleness yet, the KL of an untrained policy)."""
+    baseline_steps: int = 10
+    """Observations whose median is the baseline; the signal is judged only after them."""
+    warning_steps: int = 2
+    """Consecutive evaluations at warning or above before a warning fires."""
+    critical_steps: int = 3
+    """Consecutive evaluations at critical before a critical alert fires."""
+    rearm_steps: int = 10
+    """Consecutive evaluations back at normal after which a signal can alert again."""
+    signature: tuple[str, ...] = ("kl", "format_error_rate", "reward")
+    """The collapse signature's signals: a sustained warning of one is critical while another
+    one's warning is sustained too."""
+    corroborate: bool = True
+    """Turn corroboration within the signature on."""
+    corroborate_within: int = 2
+    """Steps within which another signal's level still counts (records may split a step)."""
+    baselines: Mapping[str, float] = field(default_factory=dict)
+    """Known baselines (signal → value) that replace the measured ones."""
+    max_format_errors: int = 3
+    """Replies in a row without a tool call that end an episode (zoo EpisodeConfig default)."""
+    max_turns: int | None = None
+    """Turn limit of the environment, to tell turn-limit endings from unknown ones in raw
+    episodes (None: an episode that ends without a format-error streak or a submit is "other")."""
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in (*self.rules, *self.signature, *self.baselines) if s not in SIGNALS]
+        if unknown:
+            raise ValueError(f"unknown signal {unknown[0]!r}; signals: {', '.join(SIGNALS)}")
+        for name in ("baseline_steps", "warning_steps", "critical_steps", "rearm_steps",
+                     "max_format_errors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MonitorConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.corroborate_within < 0:
+            raise ValueError("MonitorConfig.warmup_steps and corroborate_within must be >= 0")
+        for signal, value in self.baselines.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"MonitorConfig.baselines[{signal!r}] must be a finite number, "
+                                 f"got {value!r}")
+
+
+def judge(rule: SignalRule, x: float, ref: float | None) -> tuple[int, float]:
+    """(level, score) of value x against its reference under `rule`."""
+    if ref is None:
+        return NORMAL, math.nan
+    if rule.kind == "share":
+        warn = None if rule.warning is None else max(rule.warning, ref + rule.margin)
+        crit = None if rule.critical is None else max(rule.critical, ref + rule.margin,
+                                                      warn if warn is not None else 0.0)
+        score = x
+        up = True
+    elif ref < _TINY_BASELINE:  # ratios to a zero or negative reference mean nothing
+        return NORMAL, math.nan
+    elif rule.kind == "drop":
+        warn, crit, score, up = rule.warning, rule.critical, (ref - x) / ref, True
+    else:
+        warn, crit, score, up = rule.warning, rule.critical, x / ref, rule.kind == "growth"
+        if up and x < rule.floor:
+            return NORMAL, score
+
+    def beyond(threshold: float | None) -> bool:
+        return threshold is not None and (score >= threshold if up else score <= threshold)
+
+    if beyond(crit):
+        return CRITICAL, score
+    if beyond(warn):
+        return WARNING, score
+    return NORMAL, score

@@ -1,0 +1,283 @@
+"""The collapse monitor's state machine: one record per training step in, debounced alerts out.
+
+The study's collapse signature (../shared/NUMERICS.md §5, reference/modal-post-mixed-samplers.txt):
+the training reward falls, the sampler–trainer KL grows 3× or more, and most episodes end on
+repeated format errors (three replies in a row without a tool call end the episode; at the
+collapsed checkpoint 62% did). `CollapseMonitor.update(record)` takes one training step's metrics
+— any of the native signals (`signals.SIGNALS`) and/or the raw `episodes`, from which it
+computes each episode's end reason and the format-error share itself (episodes.py) — and returns
+the alerts that step raised.
+
+How a signal is judged (every number below is a `MonitorConfig` / `SignalRule` field, rules.py):
+
+- **Baseline.** The median of a signal's `baseline_steps` observations after its first
+  `warmup_steps` (the 4th to the 13th by default), then frozen: a collapse that creeps up over
+  many steps is still measured against the healthy start, and the median ignores a spike inside
+  the window.
+  `MonitorConfig.baselines` sets one instead (e.g. the KL `mismatch qualify` measured, or a
+  known-good run's: baselines.py), and the signal is judged from its first step. The reward's
+  reference is its running peak.
+- **Level** (normal / warning / critical) of each step, from the rule's kind (`rules.judge`).
+  `smooth_steps` > 1 compares the median of the last few values (the reward's batch mean is
+  noisy).
+- **Sustained.** A warning fires after `warning_steps` (2) consecutive evaluations at warning or
+  above, a critical alert after `critical_steps` (3) at critical: a one-step spike never alerts.
+- **Corroboration.** The signature is a conjunction: a signature signal (KL, format errors,
+  reward) sustained at warning goes critical while another signature signal is sustained at
+  warning too (its last evaluation within `corroborate_within` steps). Two independent signals
+  out of their normal range at once are the evidence a single one needs 3× for.
+- **Debounced.** One alert per severity per episode of trouble (a warning, then at most one
+  critical; a jump straight to critical raises the critical alone); the signal re-arms after
+  `rearm_steps` (10) consecutive evaluations back at normal.
+
+Missing signals are not evaluated; NaN, infinite and non-numeric values are skipped and counted
+(`counts`). Steps may arrive in several records (frameworks that log rollout and train metrics
+on separate lines): each signal keeps its own history.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter, deque
+from typing import Any, Iterable, Mapping, Sequence
+
+from mismatch.probes.monitor.episodes import episode_summary
+from mismatch.probes.monitor.rules import (CRITICAL, NORMAL, WARNING, MonitorConfig, SignalRule,
+                                           judge)
+from mismatch.probes.monitor.signals import SIGNALS, Alert, Sink, as_number
+
+__all__ = ["CollapseMonitor"]
+
+_SEVERITY = {WARNING: "warning", CRITICAL: "critical"}
+
+
+class _Track:
+    """One signal's history: smoothing window, baseline, level, and its debouncing state."""
+
+    __slots__ = ("rule", "seen", "base", "baseline", "window", "peak", "level", "score",
+                 "value", "smoothed", "last_eval", "state", "run_warn", "run_crit", "calm")
+
+    def __init__(self, rule: SignalRule | None, baseline: float | None) -> None:
+        self.rule = rule
+        self.seen = 0
+        self.base: list[float] = []
+        self.baseline = baseline
+        self.window: deque[float] = deque(maxlen=rule.smooth_steps if rule else 1)
+        self.peak: float | None = baseline if rule and rule.kind == "drop" else None
+        self.level = NORMAL
+        self.score = math.nan
+        self.value: float | None = None
+        self.smoothed = math.nan
+        self.last_eval: int | None = None
+        self.state = NORMAL
+        self.run_warn = self.run_crit = self.calm = 0
+
+    def reference(self) -> float | None:
+        """What the value is compared against: the running peak (drop) or the baseline."""
+        return self.peak if self.rule is not None and self.rule.kind == "drop" else self.baseline
+
+
+class CollapseMonitor:
+    """Streaming collapse detector; see the module docstring for how signals are judged.
+
+        monitor = CollapseMonitor(sinks=[TerminalSink()])
+        for step in training:
+            alerts = monitor.update({"step": step, "reward": r, "kl": k3, "episodes": eps})
+
+    Every alert goes to each sink's `emit`; after each update each sink's `observe` gets
+    `values()` and `baselines()`. `alerts` holds every alert so far, `counts` what was skipped.
+    """
+
+    def __init__(self, config: MonitorConfig | None = None, sinks: Iterable[Sink] = ()) -> None:
+        self.config = config or MonitorConfig()
+        self.sinks: list[Sink] = list(sinks)
+        self.alerts: list[Alert] = []
+        self.counts: Counter[str] = Counter()
+        """records, episodes; skipped: nan, non_numeric, missing_step, bad_episodes."""
+        self.last_end_reasons: Counter[str] = Counter()
+        """End reasons of the episodes of the last record that carried some."""
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        cfg = self.config
+        self._tracks = {s: _Track(cfg.rules.get(s), cfg.baselines.get(s)) for s in SIGNALS}
+
+    # -- the public surface -------------------------------------------------------------------
+
+    def update(self, record: Mapping[str, Any]) -> list[Alert]:
+        """Feed one training step's record; returns the alerts it raised (also sent to sinks)."""
+        step = self._step_of(record)
+        self.counts["records"] += 1
+        values = self.read(record)
+        judged = []
+        for signal, value in values.items():
+            t = self._tracks[signal]
+            self._observe(t, step, value)
+            if t.last_eval == step:
+                self._count(t)
+                judged.append(signal)
+        fired: list[Alert] = []
+        for signal in judged:  # after every signal of the record has been counted
+            alert = self._fire(signal, step)
+            if alert is not None:
+                fired.append(alert)
+        self.alerts.extend(fired)
+        for sink in self.sinks:
+            for alert in fired:
+                sink.emit(alert)
+        if self.sinks:
+            current, base = self.values(), self.baselines()
+            for sink in self.sinks:
+                sink.observe(step, current, base)
+        return fired
+
+    def values(self) -> dict[str, float | None]:
+        """The latest value of every signal (None where none has been seen)."""
+        return {s: t.value for s, t in self._tracks.items()}
+
+    def baselines(self) -> dict[str, float | None]:
+        """Every signal's reference: its baseline, the reward's running peak; None until known."""
+        return {s: t.reference() for s, t in self._tracks.items()}
+
+    def close(self) -> None:
+        """Close every sink."""
+        for sink in self.sinks:
+            sink.close()
+
+    def __enter__(self) -> CollapseMonitor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- reading a record ---------------------------------------------------------------------
+
+    def _step_of(self, record: Mapping[str, Any]) -> int:
+        raw = as_number(record.get("step"))
+        step = int(raw) if raw is not None and math.isfinite(raw) else None
+        if step is None:
+            self.counts["missing_step"] += 1
+            step = 0 if self.last_step is None else self.last_step + 1
+        if self.first_step is None:
+            self.first_step = step
+        self.last_step = step
+        return step
+
+    def read(self, record: Mapping[str, Any]) -> dict[str, float]:
+        """The signal values `record` holds, stated or derived from its `episodes` (a stated one
+        wins); counts what was skipped and keeps the episodes' end reasons. Judges nothing."""
+        values: dict[str, float] = {}
+        for signal in SIGNALS:
+            if signal in record:
+                x = _finite(record[signal], self.counts)
+                if x is not None:
+                    values[signal] = x
+        episodes = record.get("episodes")
+        if episodes is not None:
+            summary = episode_summary(episodes, max_format_errors=self.config.max_format_errors,
+                                      max_turns=self.config.max_turns)
+            self.counts["episodes"] += summary["episodes"]
+            self.counts["bad_episodes"] += summary["bad"]
+            if summary["episodes"]:
+                self.last_end_reasons = Counter(summary["end_reasons"])
+                # a signal the record states outright wins over the one derived from episodes
+                values.setdefault("format_error_rate", summary["format_error_rate"])
+                if summary["reward"] is not None:
+                    values.setdefault("reward", summary["reward"])
+        return values
+
+    # -- judging ------------------------------------------------------------------------------
+
+    def _observe(self, t: _Track, step: int, value: float) -> None:
+        """Record a value; update baseline / peak; set the step's level (before corroboration)."""
+        cfg, rule = self.config, t.rule
+        t.value = value
+        t.seen += 1
+        t.level = NORMAL
+        if rule is None:
+            return
+        t.window.append(value)
+        if len(t.window) < t.window.maxlen:
+            return
+        x = t.window[0] if t.window.maxlen == 1 else statistics.median(t.window)
+        t.smoothed = x
+        if rule.kind == "drop":
+            if t.seen <= cfg.warmup_steps and t.baseline is None:
+                return
+            t.peak = x if t.peak is None else max(t.peak, x)
+            if t.baseline is None and t.seen <= cfg.warmup_steps + cfg.baseline_steps:
+                return
+        elif t.baseline is None:
+            if t.seen > cfg.warmup_steps:
+                t.base.append(value)
+                if len(t.base) == cfg.baseline_steps:
+                    t.baseline = statistics.median(t.base)
+            return
+        t.last_eval = step
+        t.level, t.score = judge(rule, x, t.reference())
+
+    def _count(self, t: _Track) -> None:
+        """Consecutive evaluations at warning+, at critical, at normal; re-arm after calm."""
+        t.run_warn = t.run_warn + 1 if t.level >= WARNING else 0
+        t.run_crit = t.run_crit + 1 if t.level >= CRITICAL else 0
+        t.calm = t.calm + 1 if t.level == NORMAL else 0
+        if t.state != NORMAL and t.calm >= self.config.rearm_steps:
+            t.state = NORMAL
+
+    def _fire(self, signal: str, step: int) -> Alert | None:
+        """At most one alert: critical when sustained at critical, or when sustained at warning
+        together with another signature signal sustained at warning (corroborated); warning when
+        sustained at warning — held while the signal sits at critical and may still go critical,
+        so a jump straight to critical raises the critical alert alone. Each severity fires once
+        until the signal re-arms."""
+        t, cfg = self._tracks[signal], self.config
+        partners: list[str] = []
+        if cfg.corroborate and signal in cfg.signature and t.run_warn >= cfg.warning_steps:
+            partners = [o for o in cfg.signature if o != signal
+                        and self._tracks[o].run_warn >= cfg.warning_steps
+                        and self._tracks[o].last_eval is not None
+                        and step - self._tracks[o].last_eval <= cfg.corroborate_within]
+        held = t.level == CRITICAL and t.run_crit < cfg.critical_steps  # may go critical next
+        if (t.run_crit >= cfg.critical_steps or partners) and t.state < CRITICAL:
+            t.state = CRITICAL
+        elif t.run_warn >= cfg.warning_steps and t.state < WARNING and not held:
+            t.state = WARNING
+        else:
+            return None
+        steps = t.run_crit if t.state == CRITICAL and not partners else t.run_warn
+        return Alert(step=step, signal=signal, severity=_SEVERITY[t.state], value=t.smoothed,
+                     baseline=t.reference(), message=_message(signal, t, steps, partners))
+
+
+def _finite(x: Any, counts: Counter[str]) -> float | None:
+    """x as a float if it is a finite number; otherwise count why not and return None."""
+    if x is None:
+        return None
+    value = as_number(x)
+    if value is None:
+        counts["non_numeric"] += 1
+    elif not math.isfinite(value):
+        counts["nan"] += 1
+        value = None
+    return value
+
+
+def _message(signal: str, t: _Track, steps: int, partners: Sequence[str]) -> str:
+    rule, x, ref, score = t.rule, t.smoothed, t.reference(), t.score
+    assert rule is not None and ref is not None
+    lasting = f"for {steps} step{'s' if steps != 1 else ''}"
+    if rule.kind == "share":
+        text = (f"{x:.0%} of episodes ended on repeated format errors {lasting} "
+                f"(baseline {ref:.0%})")
+    elif rule.kind == "drop":
+        text = f"{signal} {x:.4g} is {score:.0%} below its peak {ref:.4g} {lasting}"
+    elif rule.kind == "fall":
+        text = f"{signal} {x:.4g} fell to {score:.2f}x its baseline {ref:.4g} {lasting}"
+    else:
+        text = f"{signal} {x:.4g} is {score:.1f}x its baseline {ref:.4g} {lasting}"
+    if partners:
+        moved = {"reward": "reward falling", "kl": "kl growing",
+                 "format_error_rate": "format errors rising"}
+        text += (f", with {' and '.join(moved.get(p, p) for p in partners)} too: the collapse "
+                 "signature")
+    return f"{text}; {rule.hint}" if rule.hint else text
