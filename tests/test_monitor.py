@@ -4,7 +4,6 @@ truncated and rotated log)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -29,11 +28,7 @@ from mismatch.probes.monitor import (CollapseMonitor, MonitorConfig, SignalRule,
                                      default_rules, episode_end_reason, episode_summary,
                                      follow_lines)
 
-_BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_monitor.py"
-_spec = importlib.util.spec_from_file_location("bench_monitor", _BENCH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_monitor", bench)  # dataclasses look their module up there
-_spec.loader.exec_module(bench)  # the synthetic traces (the study's collapse shape) live there
+from mismatch.probes.monitor import traces as bench  # noqa: E402  the study's collapse shapes
 
 N_TRACES = 30  # seeds of each kind; reports/monitor.md runs 200 and more
 
