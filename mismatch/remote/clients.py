@@ -32,7 +32,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["RemoteError", "SamplerClient", "ServerTokens"]
+__all__ = ["ParsedCompletion", "RemoteError", "SamplerClient", "ServerTokens", "ranked_candidates",
+           "required_field"]
 
 
 class RemoteError(ValueError):
@@ -51,7 +52,7 @@ class ServerTokens(NamedTuple):
 
 
 @dataclass
-class _Completion:
+class ParsedCompletion:
     """One prompt's answer, parsed."""
 
     token_ids: list[int]
@@ -226,7 +227,7 @@ class SamplerClient(abc.ABC):
     @abc.abstractmethod
     def _complete(self, index: int, prompt: list[int], *, max_new_tokens: int,
                   temperature: float, top_p: float, top_k: int, seed: int, candidates: int,
-                  ignore_eos: bool) -> _Completion:
+                  ignore_eos: bool) -> ParsedCompletion:
         """One request for prompt `index`, parsed (checked and cut by `_finish`)."""
 
     def _describe(self) -> dict:
@@ -257,7 +258,7 @@ class SamplerClient(abc.ABC):
                       ignore_eos=bool(ignore_eos))
         described = self._describe()  # resolves what every request needs (vLLM: the model)
         start = time.perf_counter()
-        results: list[_Completion | None] = [None] * len(prompts)
+        results: list[ParsedCompletion | None] = [None] * len(prompts)
         with self._lock:
             before = dict(self._stats)
         pool = cf.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts)),
@@ -291,8 +292,8 @@ class SamplerClient(abc.ABC):
                                **call}}
         return self._rollout(prompts, results, params.candidates, meta)
 
-    def _finish(self, index: int, c: _Completion, max_new_tokens: int, candidates: int, *,
-                cut_at_eos: bool = True) -> _Completion:
+    def _finish(self, index: int, c: ParsedCompletion, max_new_tokens: int, candidates: int, *,
+                cut_at_eos: bool = True) -> ParsedCompletion:
         """Check one parsed answer and cut it after EOS."""
         where = f"prompt {index}"
         if not c.token_ids:
@@ -322,11 +323,11 @@ class SamplerClient(abc.ABC):
         eos = self.eos_ids if cut_at_eos else set()
         cut = next((t + 1 for t, tok in enumerate(c.token_ids) if tok in eos), None)
         if cut is not None and cut < len(c.token_ids):
-            c = _Completion(c.token_ids[:cut], c.logprobs[:cut], c.candidate_ids[:cut],
+            c = ParsedCompletion(c.token_ids[:cut], c.logprobs[:cut], c.candidate_ids[:cut],
                             c.candidate_logprobs[:cut], "stop")
         return c
 
-    def _rollout(self, prompts: list[list[int]], results: list[_Completion], k: int,
+    def _rollout(self, prompts: list[list[int]], results: list[ParsedCompletion], k: int,
                  meta: dict):
         import torch
 
@@ -357,7 +358,7 @@ class SamplerClient(abc.ABC):
                        prompt_width=p, meta=meta)
 
 
-def _top(pairs: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
+def ranked_candidates(pairs: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
     """Candidates sorted by log-prob (descending; ties by id), duplicates dropped."""
     seen: dict[int, float] = {}
     for tok, lp in pairs:
@@ -366,7 +367,9 @@ def _top(pairs: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
     return [t for t, _ in ordered], [lp for _, lp in ordered]
 
 
-def _field(obj: Any, key: str, kind: type, label: str, what: str) -> Any:
+def required_field(obj: Any, key: str, kind: type, label: str, what: str) -> Any:
+    """`obj[key]` when `obj` is a dict holding a `kind` there; otherwise a RemoteError naming the
+    sampler (`label`), the request (`what`) and the missing field."""
     if not isinstance(obj, dict) or not isinstance(obj.get(key), kind):
         raise RemoteError(f"sampler {label} answered {what} without a valid {key!r} field; is it "
                           f"the engine the client expects? (check --sampler and the engine)")

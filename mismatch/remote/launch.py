@@ -61,8 +61,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["EngineLaunchError", "default_vllm_venv", "last_log_line", "vllm_available",
-           "vllm_command", "vllm_server"]
+__all__ = ["EngineLaunchError", "default_vllm_venv", "free_port", "last_log_line", "port_free",
+           "serve", "server_env", "vllm_available", "vllm_command", "vllm_server"]
 
 VLLM_VENV_ENV = "MISMATCH_VLLM_VENV"
 """Environment variable naming the vLLM virtual environment."""
@@ -132,7 +132,7 @@ def venv_passes(python: Path, probe: str) -> bool:
         return False
     try:
         done = subprocess.run([str(python), "-c", probe], check=False,
-                              env=_server_env(python.parent.parent), stdout=subprocess.DEVNULL,
+                              env=server_env(python.parent.parent), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -154,13 +154,14 @@ def _death_signal_hook():
     return lambda: prctl(pr_set_pdeathsig, sigterm)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     """No socket listens on 127.0.0.1:port (SO_REUSEADDR as uvicorn binds: TIME_WAIT is free)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -199,7 +200,9 @@ def vllm_command(model_dir: str | Path, *, venv: str | Path | None = None, port:
     return cmd + list(extra_args)
 
 
-def _server_env(venv: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(venv: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment an engine server starts in: ours without Python path overrides, the
+    engine venv's bin first on PATH, plus `extra`."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
     env.update({"VIRTUAL_ENV": str(venv), "PYTHONUNBUFFERED": "1",
@@ -297,8 +300,8 @@ def vllm_server(model_dir: str | Path | None = None, *, venv: str | Path | None 
         raise EngineLaunchError(f"vLLM is not installed in {venv_dir}; run "
                                 f"scripts/setup_vllm_cpu.sh {venv_dir}")
     if port is None:
-        port = _free_port()
-    elif not _port_free(port):
+        port = free_port()
+    elif not port_free(port):
         raise EngineLaunchError(f"port {port} on 127.0.0.1 is already in use; pass another "
                                 f"port or port=None to pick a free one")
     cmd = vllm_command(model, venv=venv_dir, port=port, max_model_len=max_model_len,
@@ -308,16 +311,16 @@ def vllm_server(model_dir: str | Path | None = None, *, venv: str | Path | None 
     scratch = tempfile.mkdtemp(prefix="vllm-server-")
     try:
         # a private temp dir: the engine leaves a file:// rendezvous file (vllm_dist_*) in it
-        with _serve(cmd, port=port, name="vLLM", log_path=log_path,
-                    env=_server_env(venv_dir, {"TMPDIR": scratch, **(env or {})}), cwd=scratch,
-                    timeout_s=timeout_s, stop_timeout_s=stop_timeout_s) as url:
+        with serve(cmd, port=port, name="vLLM", log_path=log_path,
+                   env=server_env(venv_dir, {"TMPDIR": scratch, **(env or {})}), cwd=scratch,
+                   timeout_s=timeout_s, stop_timeout_s=stop_timeout_s) as url:
             yield url
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def _serve(cmd: list[str], *, port: int, name: str, log_path: str | Path | None,
+def serve(cmd: list[str], *, port: int, name: str, log_path: str | Path | None,
            env: dict[str, str], cwd: str | None, timeout_s: float,
            stop_timeout_s: float, ready_path: str = "/v1/models") -> Iterator[str]:
     """Start `cmd` in its own process group, log to `log_path`, yield the URL once it answers

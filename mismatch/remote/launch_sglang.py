@@ -33,7 +33,7 @@ length gets HTTP 400 instead.
 
 The server's stdout and stderr go to a log file (kept, its path in every error); on exit the
 whole process group (launcher, tokenizer manager, scheduler, detokenizer) is stopped and reaped,
-as for vLLM (launch.py, `_serve`).
+as for vLLM (launch.py, `serve`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .launch import (EngineLaunchError, _free_port, _port_free, _serve, _server_env,
+from .launch import (EngineLaunchError, free_port, port_free, serve, server_env,
                      engine_venv, venv_passes)
 
 __all__ = ["default_sglang_venv", "sglang_available", "sglang_command", "sglang_server"]
@@ -113,17 +113,17 @@ def sglang_server(model_dir: str | Path, *, venv: str | Path | None = None,
         raise EngineLaunchError(f"SGLang is not installed in {venv_dir}; run "
                                 f"scripts/setup_sglang_cpu.sh {venv_dir}")
     if port is None:
-        port = _free_port()
-    elif not _port_free(port):
+        port = free_port()
+    elif not port_free(port):
         raise EngineLaunchError(f"port {port} on 127.0.0.1 is already in use; pass another "
                                 f"port or port=None to pick a free one")
     cmd = sglang_command(model, venv=venv_dir, port=port, context_length=context_length,
                          max_total_tokens=max_total_tokens,
                          max_running_requests=max_running_requests, dtype=dtype, seed=seed,
                          extra_args=extra_args)
-    server_env = _server_env(venv_dir, {"SGLANG_USE_CPU_ENGINE": "1",
-                                        "SGLANG_CPU_OMP_THREADS_BIND": "0", **(env or {})})
-    with _serve(cmd, port=port, name="SGLang", log_path=log_path, env=server_env, cwd=None,
-                timeout_s=timeout_s, stop_timeout_s=stop_timeout_s,
-                ready_path="/health") as url:
+    environ = server_env(venv_dir, {"SGLANG_USE_CPU_ENGINE": "1",
+                                    "SGLANG_CPU_OMP_THREADS_BIND": "0", **(env or {})})
+    with serve(cmd, port=port, name="SGLang", log_path=log_path, env=environ, cwd=None,
+               timeout_s=timeout_s, stop_timeout_s=stop_timeout_s,
+               ready_path="/health") as url:
         yield url

@@ -30,7 +30,7 @@ checked against a real 0.5.23 server in tests/test_engine_sglang.py)
 
 from __future__ import annotations
 
-from .clients import RemoteError, SamplerClient, ServerTokens, _Completion, _field, _top
+from .clients import RemoteError, SamplerClient, ServerTokens, ParsedCompletion, required_field, ranked_candidates
 
 __all__ = ["SglangClient"]
 
@@ -73,7 +73,7 @@ class SglangClient(SamplerClient):
         body = self._http("POST", "/tokenize", {"prompt": text, "add_special_tokens": False},
                           what="POST /tokenize", missing_ok=True)
         if body is not None:
-            tokens = _field(body, "tokens", list, self.label, "POST /tokenize")
+            tokens = required_field(body, "tokens", list, self.label, "POST /tokenize")
             return ServerTokens([int(t) for t in tokens], False)
         # no /tokenize (older SGLang): the prompt's ids come back as input-token log-probs
         what = "POST /generate (text, for the tokenizer check)"
@@ -82,8 +82,8 @@ class SglangClient(SamplerClient):
             "return_logprob": True, "logprob_start_len": 0, "return_text_in_logprobs": False},
             what=what)
         answer = answer[0] if isinstance(answer, list) and answer else answer
-        meta = _field(answer, "meta_info", dict, self.label, what)
-        entries = _field(meta, "input_token_logprobs", list, self.label, what)
+        meta = required_field(answer, "meta_info", dict, self.label, what)
+        entries = required_field(meta, "input_token_logprobs", list, self.label, what)
         return ServerTokens([int(e[1]) for e in entries], True)
 
     def _complete(self, index, prompt, *, max_new_tokens, temperature, top_p, top_k, seed,
@@ -104,7 +104,7 @@ class SglangClient(SamplerClient):
                 raise RemoteError(f"sampler {self.label} returned {len(answer)} answers for "
                                   f"{what}, 1 asked; check the server")
             answer = answer[0]
-        meta = _field(answer, "meta_info", dict, self.label, what)
+        meta = required_field(answer, "meta_info", dict, self.label, what)
         finish = meta.get("finish_reason")
         kind = finish.get("type") if isinstance(finish, dict) else finish
         if kind == "abort":
@@ -139,7 +139,7 @@ class SglangClient(SamplerClient):
             if not isinstance(top, list):
                 raise RemoteError(f"sampler {self.label} returned no top log-probs at generated "
                                   f"token {step} of {what}; check top_logprobs_num support")
-            c_ids, c_lps = _top([(int(e[1]), float(e[0])) for e in top])
+            c_ids, c_lps = ranked_candidates([(int(e[1]), float(e[0])) for e in top])
             cand_ids.append(c_ids)
             cand_lps.append(c_lps)
-        return _Completion(ids, values, cand_ids, cand_lps, kind)
+        return ParsedCompletion(ids, values, cand_ids, cand_lps, kind)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .clients import RemoteError, SamplerClient, ServerTokens, _Completion, _field, _top
+from .clients import RemoteError, SamplerClient, ServerTokens, ParsedCompletion, required_field, ranked_candidates
 
 __all__ = ["VllmClient"]
 
@@ -57,7 +57,7 @@ class VllmClient(SamplerClient):
     def model(self) -> str:
         if self._model is None:
             body = self._http("GET", "/v1/models", what="GET /v1/models")
-            data = _field(body, "data", list, self.label, "GET /v1/models")
+            data = required_field(body, "data", list, self.label, "GET /v1/models")
             names = [m.get("id") for m in data if isinstance(m, dict) and m.get("id")]
             if not names:
                 raise RemoteError(f"sampler {self.label} serves no model (GET /v1/models is "
@@ -78,7 +78,7 @@ class VllmClient(SamplerClient):
         body = self._http("POST", "/tokenize", {"model": self.model, "prompt": text,
                                                 "add_special_tokens": False},
                           what="POST /tokenize")
-        tokens = _field(body, "tokens", list, self.label, "POST /tokenize")
+        tokens = required_field(body, "tokens", list, self.label, "POST /tokenize")
         return ServerTokens([int(t) for t in tokens], False)
 
     def _complete(self, index, prompt, *, max_new_tokens, temperature, top_p, top_k, seed,
@@ -92,7 +92,7 @@ class VllmClient(SamplerClient):
                 "echo": False, "logprobs": candidates, "return_tokens_as_token_ids": True,
                 "return_token_ids": True}
         answer = self._http("POST", "/v1/completions", body, what=what)
-        choices = _field(answer, "choices", list, self.label, what)
+        choices = required_field(answer, "choices", list, self.label, what)
         if len(choices) != 1 or not isinstance(choices[0], dict):
             raise RemoteError(f"sampler {self.label} returned {len(choices)} choices for "
                               f"{what}, 1 asked; check the server")
@@ -115,10 +115,10 @@ class VllmClient(SamplerClient):
             if not isinstance(top, dict):
                 raise RemoteError(f"sampler {self.label} returned no top log-probs at generated "
                                   f"token {step} of {what}; serve with log-probs enabled")
-            c_ids, c_lps = _top([(self._token_id(k, what), float(v)) for k, v in top.items()])
+            c_ids, c_lps = ranked_candidates([(self._token_id(k, what), float(v)) for k, v in top.items()])
             cand_ids.append(c_ids)
             cand_lps.append(c_lps)
-        return _Completion(ids, values, cand_ids, cand_lps, choice.get("finish_reason"))
+        return ParsedCompletion(ids, values, cand_ids, cand_lps, choice.get("finish_reason"))
 
     def _token_id(self, token: Any, what: str) -> int:
         if isinstance(token, str) and token.startswith("token_id:"):
