@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mismatch.quantize import CODECS, QuantizeError, decode, encode, fake_quant
-from mismatch.quantize.codecs import pack_nibbles, unpack_nibbles
+from mismatch.quantize.qtensor import pack_nibbles, unpack_nibbles
 
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
