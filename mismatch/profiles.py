@@ -26,8 +26,8 @@ from typing import Literal
 
 from mismatch.quantize.precisions import KV_CACHE_CODECS, PRECISIONS
 
-__all__ = ["GPUS", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec", "ProfileError", "resolve", "trainer_spec",
-           "table", "natural_pairs", "TRAINER", "local_gpu", "local_profile", "check_local_gpu"]
+__all__ = ["GPUS", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec", "ProfileError", "resolve",
+           "trainer_spec", "table", "TRAINER", "local_gpu", "local_profile", "check_local_gpu"]
 
 AttentionKernel = Literal["fa2", "fa3", "flashinfer", "trtllm", "reference"]
 
@@ -259,10 +259,3 @@ def table() -> list[NumericsSpec | tuple[str, str, str]]:
             except ProfileError as exc:
                 rows.append((g, d, str(exc).split(";")[0]))
     return rows
-
-
-def natural_pairs() -> list[tuple[str, str]]:
-    """The study's fleet: each GPU at the precisions it served (B200/B300 NVFP4; H100/H200 FP8 and
-    BF16; A100 and RTX PRO 6000 BF16)."""
-    return [("b200", "nvfp4"), ("b300", "nvfp4"), ("h100", "fp8"), ("h100", "bf16"),
-            ("h200", "fp8"), ("h200", "bf16"), ("a100", "bf16"), ("rtx-pro-6000", "bf16")]

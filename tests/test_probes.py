@@ -15,7 +15,8 @@ from conftest import build_tiny_model
 from mismatch.cli.main import app
 from mismatch.probes.config import ProbeConfig
 from mismatch.probes import SOURCES, parse_sources
-from mismatch.probes.accelerator import AcceleratorProbe, fleet_groups
+from mismatch.fleets import fleet_groups
+from mismatch.probes.accelerator import AcceleratorProbe
 from mismatch.probes.base import Evaluation, ProbeContext, Tally, Variant, with_spec
 from mismatch.probes.kernels import KernelsProbe
 from mismatch.probes.ladder import LadderProbe

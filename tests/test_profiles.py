@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mismatch.profiles import DTYPES, GPUS, ProfileError, natural_pairs, resolve, table
+from mismatch.fleets import natural_pairs
+from mismatch.profiles import DTYPES, GPUS, ProfileError, resolve, table
 
 
 def test_every_pair_resolves_or_says_what_the_gpu_can_run():
