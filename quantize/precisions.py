@@ -6,18 +6,18 @@ quantized with when a GEMM takes both operands in the low format (W*A*), which t
 format that GEMM needs, and which codec a modelopt checkpoint of it stores. Everything else is
 read from the codecs (codecs.py), never restated:
 
-    precision     weights        activations    tensor cores  block  scales                    checkpoint
-    bf16, fp16    cast           (compute)      -             -      none                      -
-    fp8           fp8            fp8-act        fp8           0      FP32 per tensor           fp8
-    fp8-block128  fp8-block128   fp8-group128   fp8           128    FP32 per 128x128 block    -
-    w4a16-nvfp4   w4a16-nvfp4    (BF16)         -             16     E4M3 per 16 + FP32        w4a16-nvfp4
-    nvfp4         nvfp4          nvfp4-act      nvfp4         16     E4M3 per 16 + FP32        nvfp4
-    mxfp4         mxfp4-rceil    mxfp4-rceil    mxfp4         32     E8M0 per 32               mxfp4-modelopt
+    precision     weights       activations   tensor cores  block  weight scales          ckpt
+    bf16, fp16    cast          (compute)     -             -      none                   -
+    fp8           fp8           fp8-act       fp8           0      FP32 per tensor        fp8
+    fp8-block128  fp8-block128  fp8-group128  fp8           128    FP32 per 128x128 block -
+    w4a16-nvfp4   w4a16-nvfp4   (BF16)        -             16     E4M3 per 16 + FP32     same
+    nvfp4         nvfp4         nvfp4-act     nvfp4         16     E4M3 per 16 + FP32     nvfp4
+    mxfp4         mxfp4-rceil   mxfp4-rceil   mxfp4         32     E8M0 per 32            modelopt
 
 A static activation scale is the calibrated amax divided by the activation codec's
 `scale_divisor` (448 for FP8 per tensor, 6 · 448 for NVFP4); codecs without a per-tensor scale
-(MXFP4's E8M0 blocks, FP8's 1×128 groups) scale each block dynamically. MXFP4 checkpoints store
-modelopt's own exponent rule (`mxfp4-modelopt`); the serving kernels' values follow RCEIL.
+(MXFP4's E8M0 blocks, FP8's 1×128 groups) scale each block dynamically. MXFP4 checkpoints (ckpt) store
+modelopt's own exponent rule (codec `mxfp4-modelopt`); the serving kernels' values follow RCEIL.
 
 The KV cache has its own small table, `KV_CACHE_CODECS`: BF16 (the compute dtype) or FP8 with the
 per-tensor activation codec (scale 1.0, as engines default).

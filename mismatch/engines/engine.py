@@ -224,7 +224,7 @@ class Engine:
         logits = self.model.get_output_embeddings()(last).float()
         if self.routers and all(len(s) == 1 for s in sink):
             chosen = torch.stack([s[0].view(b, width, -1) for s in sink], dim=2).cpu()
-            _, b_idx, j_idx, slot_idx, pos_idx, _, _ = cache._plan
+            b_idx, j_idx, slot_idx, pos_idx = cache.planned_positions()
             table = self._routing_table(cache.capacity, chosen.shape[-1])
             table[slot_idx.cpu(), pos_idx.cpu()] = chosen[b_idx.cpu(), j_idx.cpu()]
         for slot, s0, x in zip(rows, starts, inputs):
