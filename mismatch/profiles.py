@@ -26,8 +26,9 @@ from typing import Literal
 
 from mismatch.quantize.precisions import KV_CACHE_CODECS, PRECISIONS
 
-__all__ = ["GPUS", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec", "ProfileError", "resolve",
-           "trainer_spec", "table", "TRAINER", "local_gpu", "local_profile", "check_local_gpu"]
+__all__ = ["GPUS", "register_gpu", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec",
+           "ProfileError", "resolve", "trainer_spec", "table", "TRAINER", "local_gpu",
+           "local_profile", "check_local_gpu"]
 
 AttentionKernel = Literal["fa2", "fa3", "flashinfer", "trtllm", "reference"]
 
@@ -67,10 +68,12 @@ class GpuProfile:
 GPUS: dict[str, GpuProfile] = {}
 
 
-def _register_gpu(g: GpuProfile) -> None:
+def register_gpu(g: GpuProfile) -> GpuProfile:
+    """Add a GPU profile; a name may be registered once."""
     if g.name in GPUS:
         raise ValueError(f"gpu profile {g.name!r} registered twice")
     GPUS[g.name] = g
+    return g
 
 
 # Hopper's per-tensor FP8 GEMMs (cuBLAS / CUTLASS with use_fast_accum) never promote their
@@ -91,7 +94,7 @@ for _g in (
     GpuProfile(name="rtx-pro-6000", arch="sm120", native=frozenset({"fp8", "nvfp4", "mxfp4"}),
                attention="flashinfer", cuda_names=("RTX PRO 6000",)),
 ):
-    _register_gpu(_g)
+    register_gpu(_g)
 
 DTYPES = tuple(name for name, p in PRECISIONS.items() if p.served)
 

@@ -212,3 +212,12 @@ def test_errors_one_line(call, match):
     with pytest.raises(ValueError, match=match) as info:
         call()
     assert "\n" not in str(info.value)
+
+
+def test_fleet_table():
+    from mismatch.fleets import register_fleet
+
+    assert {f.name: f.level for f in FLEETS.values()} == {
+        "homogeneous": "L0", "precision": "L1", "mixed": "L2"}
+    with pytest.raises(ValueError, match="registered twice"):
+        register_fleet(FLEETS["mixed"])
