@@ -73,6 +73,8 @@ def eager_experts(model: torch.nn.Module):
 
 @contextlib.contextmanager
 def emulated_attention(model: torch.nn.Module, family: KernelFamily | None, kv_fp8: bool):
+    """Inside the block the model's attention is `family`'s tiled kernel (None: torch SDPA), on
+    an FP8 KV cache when `kv_fp8`, and fused experts run eagerly; nested blocks stack."""
     _register_attention()
     config = model.config
     previous = config._attn_implementation

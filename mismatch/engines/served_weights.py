@@ -81,7 +81,7 @@ class ServedLinear:
 
 
 def serve_weights(group: str, members: list[tuple[str, torch.Tensor]],
-                   codec: str) -> list[QTensor]:
+                  codec: str) -> list[QTensor]:
     """The storage a server computes with for one fusion group, in modelopt's export rules and
     vLLM's loading rules (quantize/loader.py documents both):
 
@@ -120,7 +120,7 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
 
 
 def build_table(model: torch.nn.Module, spec: NumericsSpec,
-                 native_fp8: bool = False) -> dict[int, ServedLinear]:
+                native_fp8: bool = False) -> dict[int, ServedLinear]:
     """The emulated weights of `spec`, cached per model until its parameters change."""
     per_model = _TABLES.setdefault(model, {})
     key = (spec.weight_codec, spec.activation_codec, spec.accumulation, native_fp8)
