@@ -41,6 +41,9 @@ order, as modelopt's dequantizers do) and casts to the requested dtype once at t
 
 Non-finite input is refused (`QuantizeError` naming the count and first position): an E2M1 or
 E8M0-scaled block has no way to carry inf, and a NaN in a checkpoint is corruption, not data.
+
+This module holds the table and the public entry points; each scheme's arithmetic is in
+schemes.py, the storage layout (QTensor, nibble packing) in qtensor.py.
 """
 
 from __future__ import annotations
