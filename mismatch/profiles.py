@@ -24,8 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-__all__ = ["GPUS", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec", "ProfileError", "resolve", "trainer_spec",
-           "table", "natural_pairs", "TRAINER", "local_gpu", "local_profile", "check_local_gpu"]
+from mismatch.quantize.precisions import KV_CACHE_CODECS, PRECISIONS
+
+__all__ = ["GPUS", "register_gpu", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec",
+           "ProfileError", "resolve", "trainer_spec", "table", "TRAINER", "local_gpu",
+           "local_profile", "check_local_gpu"]
 
 AttentionKernel = Literal["fa2", "fa3", "flashinfer", "trtllm", "reference"]
 
@@ -48,6 +51,13 @@ class GpuProfile:
     """The attention kernel family serving stacks pick on it."""
     cuda_names: tuple[str, ...]
     """Substrings of `torch.cuda.get_device_name()` that identify it (for measured mode)."""
+    gemm_accumulation: tuple[tuple[str, str], ...] = ()
+    """(precision, mismatch.quantize.accumulate preset) where its W*A* GEMMs do not accumulate in
+    plain FP32 on this GPU's serving kernels; every other GEMM sums in FP32."""
+
+    def accumulation(self, precision: str) -> str:
+        """The accumulation preset of `precision`'s W*A* GEMMs on this GPU."""
+        return dict(self.gemm_accumulation).get(precision, "fp32")
 
     @property
     def capability_major(self) -> int:
@@ -55,22 +65,38 @@ class GpuProfile:
         return int(self.arch[2:-1])
 
 
-GPUS: dict[str, GpuProfile] = {g.name: g for g in (
+GPUS: dict[str, GpuProfile] = {}
+
+
+def register_gpu(g: GpuProfile) -> GpuProfile:
+    """Add a GPU profile; a name may be registered once."""
+    if g.name in GPUS:
+        raise ValueError(f"gpu profile {g.name!r} registered twice")
+    GPUS[g.name] = g
+    return g
+
+
+# Hopper's per-tensor FP8 GEMMs (cuBLAS / CUTLASS with use_fast_accum) never promote their
+# partial sums to FP32; block-scaled FP8 kernels promote every 128 K-elements (NUMERICS.md §2).
+_HOPPER_FAST = (("fp8", "hopper-fp8-fast"),)
+
+for _g in (
     GpuProfile(name="a100", arch="sm80", native=frozenset(), attention="fa2",
                cuda_names=("A100",)),
     GpuProfile(name="h100", arch="sm90", native=frozenset({"fp8"}), attention="fa3",
-               cuda_names=("H100",)),
+               cuda_names=("H100",), gemm_accumulation=_HOPPER_FAST),
     GpuProfile(name="h200", arch="sm90", native=frozenset({"fp8"}), attention="fa3",
-               cuda_names=("H200",)),
+               cuda_names=("H200",), gemm_accumulation=_HOPPER_FAST),
     GpuProfile(name="b200", arch="sm100", native=frozenset({"fp8", "nvfp4", "mxfp4"}),
                attention="trtllm", cuda_names=("B200",)),
     GpuProfile(name="b300", arch="sm100", native=frozenset({"fp8", "nvfp4", "mxfp4"}),
                attention="trtllm", cuda_names=("B300",)),
     GpuProfile(name="rtx-pro-6000", arch="sm120", native=frozenset({"fp8", "nvfp4", "mxfp4"}),
                attention="flashinfer", cuda_names=("RTX PRO 6000",)),
-)}
+):
+    register_gpu(_g)
 
-DTYPES = ("bf16", "fp16", "fp8", "w4a16-nvfp4", "nvfp4", "mxfp4")
+DTYPES = tuple(name for name, p in PRECISIONS.items() if p.served)
 
 
 def local_gpu() -> tuple[str, tuple[int, int]] | None:
@@ -106,7 +132,9 @@ def check_local_gpu(gpu: str, local: tuple[str, tuple[int, int]] | None, emulate
     raise ProfileError(f"--gpu {g.name} ({'/'.join(g.cuda_names)}, {g.arch}) is not this "
                        f"machine's GPU ({name}, sm{major}{minor}); pass --emulate to emulate "
                        f"{g.name} on it, or {hint} to measure")
-KV_CACHES = ("bf16", "fp8")
+
+
+KV_CACHES = tuple(KV_CACHE_CODECS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,28 +198,30 @@ def _can_run(gpu: GpuProfile) -> list[str]:
     return [d for d in DTYPES if _serving(gpu, d) is not None]
 
 
+# Serving kernels per precision: (the W*A* kernel where the GPU's tensor cores take the format,
+# the weight-only kernel elsewhere; None where no weight-only kernel serves it).
+_KERNEL_PATHS: dict[str, tuple[str | None, str | None]] = {
+    "fp8": ("FP8 W8A8 per-tensor", "Marlin W8A16 (FP8 weights dequantized to BF16)"),
+    "w4a16-nvfp4": (None, "W4A16 NVFP4 (Marlin / weight-only)"),
+    "nvfp4": ("NVFP4 W4A4, dynamic 16-blocks", None),
+    "mxfp4": ("MXFP4 W4A4 (RCEIL scales)", "Marlin W4A16 (MXFP4 weights)"),
+}
+
+
 def _serving(gpu: GpuProfile, dtype: str) -> tuple[str, str | None, str | None, str, str] | None:
     """(compute dtype, weight codec, activation codec, accumulation, kernel path), or None when
     no kernel serves `dtype` on `gpu`."""
-    if dtype in ("bf16", "fp16"):
-        return dtype, None, None, "fp32", f"{dtype.upper()} GEMMs, FP32 accumulate"
-    if dtype == "fp8":
-        if "fp8" in gpu.native:
-            fast = "hopper-fp8-fast" if gpu.arch == "sm90" else "fp32"
-            note = " with fast accumulation" if gpu.arch == "sm90" else ""
-            return "bf16", "fp8", "fp8-act", fast, f"FP8 W8A8 per-tensor{note}"
-        return "bf16", "fp8", None, "fp32", "Marlin W8A16 (FP8 weights dequantized to BF16)"
-    if dtype == "w4a16-nvfp4":
-        return "bf16", "w4a16-nvfp4", None, "fp32", "W4A16 NVFP4 (Marlin / weight-only)"
-    if dtype == "nvfp4":
-        if "nvfp4" in gpu.native:
-            return "bf16", "nvfp4", "nvfp4-act", "fp32", "NVFP4 W4A4, dynamic 16-blocks"
+    p = PRECISIONS[dtype]
+    if p.is_cast:
+        return p.compute_dtype, None, None, "fp32", f"{dtype.upper()} GEMMs, FP32 accumulate"
+    native_path, weight_only_path = _KERNEL_PATHS[dtype]
+    if p.activation_codec is not None and p.tensor_cores in gpu.native:
+        acc = gpu.accumulation(dtype)
+        note = " with fast accumulation" if acc != "fp32" else ""
+        return p.compute_dtype, p.weight_codec, p.activation_codec, acc, f"{native_path}{note}"
+    if weight_only_path is None:
         return None
-    if dtype == "mxfp4":
-        if "mxfp4" in gpu.native:
-            return "bf16", "mxfp4-rceil", "mxfp4-rceil", "fp32", "MXFP4 W4A4 (RCEIL scales)"
-        return "bf16", "mxfp4-rceil", None, "fp32", "Marlin W4A16 (MXFP4 weights)"
-    return None
+    return p.compute_dtype, p.weight_codec, None, "fp32", weight_only_path
 
 
 _WHY_NOT = {"nvfp4": "NVFP4 W4A4 needs Blackwell FP4 tensor cores"}
@@ -211,7 +241,7 @@ def resolve(gpu: str, dtype: str, kv_cache: str | None = None) -> NumericsSpec:
         kv = "fp16"
     return NumericsSpec(gpu=g.name, dtype=d, kv_cache=kv, compute_dtype=compute,  # type: ignore[arg-type]
                         weight_codec=wcodec, activation_codec=acodec, accumulation=acc,
-                        kv_codec="fp8-act" if kv == "fp8" else None, attention=g.attention,
+                        kv_codec=KV_CACHE_CODECS.get(kv), attention=g.attention,
                         kernel_path=path + (", FP8 KV cache" if kv == "fp8" else ""))
 
 
@@ -232,10 +262,3 @@ def table() -> list[NumericsSpec | tuple[str, str, str]]:
             except ProfileError as exc:
                 rows.append((g, d, str(exc).split(";")[0]))
     return rows
-
-
-def natural_pairs() -> list[tuple[str, str]]:
-    """The study's fleet: each GPU at the precisions it served (B200/B300 NVFP4; H100/H200 FP8 and
-    BF16; A100 and RTX PRO 6000 BF16)."""
-    return [("b200", "nvfp4"), ("b300", "nvfp4"), ("h100", "fp8"), ("h100", "bf16"),
-            ("h200", "fp8"), ("h200", "bf16"), ("a100", "bf16"), ("rtx-pro-6000", "bf16")]

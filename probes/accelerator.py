@@ -11,11 +11,11 @@ GEMM accumulation and its attention kernel family, decode path), against the tra
 shared tokens. GPUs whose emulation is identical (H100 and H200, B200 and B300: same
 architecture, same kernels) are computed once and reported under both names.
 
-Fleet: the study's mixed samplers (reference/modal-post-mixed-samplers.txt): B200 and B300 serve
-NVFP4, H100 and H200 FP8 and BF16, A100 and RTX PRO 6000 BF16, every group with an FP8 KV cache.
-Each group's KL is reported, and the capacity-weighted mean over groups: the KL of the fleet's
-token stream when a router sends each group its share of requests. The study does not publish its
-shares as numbers, so equal shares are the default; `--fleet-shares` sets them.
+Fleet: the study's mixed samplers (mismatch.fleets, the `mixed` fleet: B200 and B300 NVFP4, H100
+and H200 FP8 and BF16, A100 and RTX PRO 6000 BF16, every group with an FP8 KV cache). Each
+group's KL is reported, and the capacity-weighted mean over groups: the KL of the fleet's token
+stream when a router sends each group its share of requests. Equal shares are the default (the
+study does not publish its shares as numbers); `--fleet-shares` sets them.
 
 These configurations are the most expensive to emulate (each replays the decode path), so they
 run on the first `--subset-prompts` prompts; the headline runs on all.
@@ -25,27 +25,10 @@ from __future__ import annotations
 
 import math
 
-from mismatch.profiles import GPUS, ProfileError, natural_pairs, resolve
+from mismatch.fleets import fleet_groups
+from mismatch.profiles import GPUS, ProfileError, resolve
 
 from .base import Batch, ProbeContext, SourceResult, Tally, Variant
-
-
-def fleet_groups(shares: tuple[tuple[str, float], ...] = ()) -> list[tuple[str, str, float]]:
-    """[(gpu, dtype, share)] of the study's fleet, shares normalized to 1."""
-    pairs = natural_pairs()
-    given = {k.lower(): float(v) for k, v in shares}
-    names = {f"{g}-{d}" for g, d in pairs}
-    unknown = sorted(set(given) - names)
-    if unknown:
-        raise ProfileError(f"--fleet-shares: unknown group {unknown[0]!r}; groups: "
-                           f"{', '.join(sorted(names))}")
-    if any(v < 0 or not math.isfinite(v) for v in given.values()):
-        raise ProfileError("--fleet-shares: shares must be finite and >= 0")
-    raw = [(g, d, given.get(f"{g}-{d}", 0.0 if given else 1.0)) for g, d in pairs]
-    total = sum(s for _, _, s in raw)
-    if total <= 0:
-        raise ProfileError("--fleet-shares: at least one share must be > 0")
-    return [(g, d, s / total) for g, d, s in raw]
 
 
 class AcceleratorProbe:

@@ -274,7 +274,8 @@ class ProbeContext:
     def _reprefill(self, variant: Variant, batch: Batch) -> Evaluation:
         """The decode path in two turns: each completion's first half decoded, then its context
         (prompt + first half) prefilled afresh and the second half decoded against that."""
-        from mismatch.engines.engine import Engine, Request
+        from mismatch.engines.engine import Engine
+        from mismatch.engines.requests import Request
         from mismatch.engines.numerics import apply_numerics
 
         ro = batch.rollout

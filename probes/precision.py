@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 from mismatch.profiles import GPUS, NumericsSpec
+from mismatch.quantize.precisions import KV_CACHE_CODECS, PRECISIONS
 
 from .base import Batch, ProbeContext, SourceResult, Tally, Variant, with_spec
 
@@ -32,25 +33,20 @@ STAGES = ("W", "W+A", "W+A+KV")
 
 
 def stage_spec(base: NumericsSpec, fmt: str, stage: str, gpu: str) -> NumericsSpec | None:
-    """The trainer spec `base` with `fmt` applied up to `stage`; None where the stage does not
-    exist (W4A16 has no activation stage)."""
-    weight = {"fp16": "fp16", "fp8": "fp8", "fp8-block128": "fp8-block128",
-              "mxfp4": "mxfp4-rceil", "nvfp4": "nvfp4", "w4a16-nvfp4": "w4a16-nvfp4"}[fmt]
-    act = {"fp8": "fp8-act", "fp8-block128": "fp8-group128", "mxfp4": "mxfp4-rceil",
-           "nvfp4": "nvfp4-act"}.get(fmt)
-    if stage != "W" and fmt == "w4a16-nvfp4":
-        if stage == "W+A":
-            return None
-    spec = with_spec(base, weight_codec=weight, dtype=fmt)
+    """The trainer spec `base` with `fmt` (a mismatch.quantize.precisions row) applied up to
+    `stage`; None where the stage does not exist (W4A16 has no activation stage)."""
+    p = PRECISIONS[fmt]
+    if stage == "W+A" and p.activation_codec is None and not p.is_cast:
+        return None
+    spec = with_spec(base, weight_codec=p.weight_codec, dtype=fmt)
     if stage in ("W+A", "W+A+KV"):
-        if fmt == "fp16":
-            spec = with_spec(spec, compute_dtype="fp16", weight_codec=None)
-        elif act is not None:
-            fast = fmt == "fp8" and GPUS[gpu].arch == "sm90"
-            spec = with_spec(spec, activation_codec=act,
-                             accumulation="hopper-fp8-fast" if fast else "fp32")
+        if p.is_cast:  # the whole forward in the cast dtype
+            spec = with_spec(spec, compute_dtype=p.compute_dtype, weight_codec=None)
+        elif p.activation_codec is not None:
+            spec = with_spec(spec, activation_codec=p.activation_codec,
+                             accumulation=GPUS[gpu].accumulation(fmt))
     if stage == "W+A+KV":
-        spec = with_spec(spec, kv_codec="fp8-act", kv_cache="fp8")
+        spec = with_spec(spec, kv_codec=KV_CACHE_CODECS["fp8"], kv_cache="fp8")
     return spec
 
 

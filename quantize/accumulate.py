@@ -50,7 +50,7 @@ import torch
 
 from .errors import QuantizeError
 
-__all__ = ["Accumulation", "ACCUMULATIONS", "KSlices", "resolve", "truncate_mantissa",
+__all__ = ["Accumulation", "ACCUMULATIONS", "register_accumulation", "KSlices", "resolve", "truncate_mantissa",
            "accumulate_matmul", "accumulate_matmul_reference"]
 
 
@@ -78,15 +78,24 @@ class Accumulation:
                              f"of mma_k ({self.mma_k})")
 
 
-ACCUMULATIONS: dict[str, Accumulation] = {
-    a.name: a
-    for a in (
-        Accumulation(name="fp32", acc_mbits=None, promote_every=None),
-        # ~14 significant bits = 13 explicit mantissa bits (DeepSeek-V3 report, §3.3.2)
-        Accumulation(name="hopper-fp8-fast", acc_mbits=13, promote_every=None),
-        Accumulation(name="hopper-fp8-promote128", acc_mbits=13, promote_every=128),
-    )
-}
+ACCUMULATIONS: dict[str, Accumulation] = {}
+
+
+def register_accumulation(a: Accumulation) -> Accumulation:
+    """Add an accumulation preset; a name may be registered once."""
+    if a.name in ACCUMULATIONS:
+        raise ValueError(f"accumulation {a.name!r} registered twice")
+    ACCUMULATIONS[a.name] = a
+    return a
+
+
+for _a in (
+    Accumulation(name="fp32", acc_mbits=None, promote_every=None),
+    # ~14 significant bits = 13 explicit mantissa bits (DeepSeek-V3 report, §3.3.2)
+    Accumulation(name="hopper-fp8-fast", acc_mbits=13, promote_every=None),
+    Accumulation(name="hopper-fp8-promote128", acc_mbits=13, promote_every=128),
+):
+    register_accumulation(_a)
 
 
 def truncate_mantissa(x: torch.Tensor, mbits: int) -> torch.Tensor:

@@ -74,61 +74,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checkpoint_formats import CHECKPOINT_FORMATS, KV_CACHE_FORMATS
 from .errors import QuantizeError
 
-__all__ = ["CheckpointFormat", "CHECKPOINT_FORMATS", "KV_CACHE_FORMATS", "QuantizeConfig",
-           "QuantizeSummary", "quantize_checkpoint", "format_for_quant_algo"]
+__all__ = ["QuantizeConfig", "QuantizeSummary", "quantize_checkpoint"]
 
 INSTALL_HINT = "pip install -e '.[quantize]'"
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointFormat:
-    """One checkpoint format: the modelopt recipe that writes it and the codec of its weights."""
-
-    name: str
-    """Name on the command line."""
-    modelopt_config: str
-    """Attribute of `modelopt.torch.quantization` holding the recipe."""
-    quant_algo: str
-    """`quant_algo` in hf_quant_config.json, upper-cased (modelopt writes MXFP4 in lower case)."""
-    codec: str
-    """`quantize.codecs` name of the weight storage, byte-exact with modelopt's export."""
-    block: int
-    """Elements along the input dimension that share one weight scale (0: per tensor)."""
-
-
-CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {}
-
-
-def _register(fmt: CheckpointFormat) -> None:
-    if fmt.name in CHECKPOINT_FORMATS:
-        raise ValueError(f"checkpoint format {fmt.name!r} registered twice")
-    CHECKPOINT_FORMATS[fmt.name] = fmt
-
-
-for _fmt in (
-    CheckpointFormat(name="fp8", modelopt_config="FP8_DEFAULT_CFG", quant_algo="FP8",
-                     codec="fp8", block=0),
-    CheckpointFormat(name="nvfp4", modelopt_config="NVFP4_DEFAULT_CFG", quant_algo="NVFP4",
-                     codec="nvfp4", block=16),
-    CheckpointFormat(name="w4a16-nvfp4", modelopt_config="W4A16_NVFP4_CFG",
-                     quant_algo="W4A16_NVFP4", codec="w4a16-nvfp4", block=16),
-    CheckpointFormat(name="mxfp4", modelopt_config="MXFP4_DEFAULT_CFG", quant_algo="MXFP4",
-                     codec="mxfp4-modelopt", block=32),
-):
-    _register(_fmt)
-
-KV_CACHE_FORMATS: dict[str, str] = {"fp8": "FP8_KV_CFG"}
-"""KV-cache format name → modelopt recipe appended to the weight recipe."""
-
-def format_for_quant_algo(quant_algo: str) -> CheckpointFormat:
-    """The checkpoint format of an hf_quant_config.json `quant_algo` (case-insensitive)."""
-    for fmt in CHECKPOINT_FORMATS.values():
-        if fmt.quant_algo == str(quant_algo).upper():
-            return fmt
-    valid = ", ".join(f.quant_algo for f in CHECKPOINT_FORMATS.values())
-    raise QuantizeError(f"unsupported quant_algo {quant_algo!r}; supported: {valid}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,9 +45,10 @@ from typing import Any, Iterator
 
 import torch
 
-from .checkpoint import CheckpointFormat, format_for_quant_algo
-from .codecs import QTensor, decode, encode
+from .checkpoint_formats import CheckpointFormat, format_for_quant_algo
+from .codecs import decode, encode
 from .errors import QuantizeError
+from .qtensor import QTensor
 
 __all__ = ["QuantizedCheckpoint", "load_quantized", "fuse_like_engine", "requantize_fp8",
            "read_config", "iter_tensors", "safetensors_files", "FUSED_SHARDS"]

@@ -108,7 +108,8 @@ def engine_run(model, prompts, steps: int, spec=None) -> tuple[float, int]:
     temperature 1, 128 candidates), under `spec`'s numerics when given."""
     import contextlib
 
-    from mismatch.engines.engine import Engine, Request
+    from mismatch.engines.engine import Engine
+    from mismatch.engines.requests import Request
     from mismatch.engines.numerics import apply_numerics, calibrate
     from mismatch.engines.sampler import SamplingParams
 

@@ -11,7 +11,7 @@ from typing import Callable
 import pytest
 import torch
 
-from mismatch.quantize.checkpoint import CHECKPOINT_FORMATS
+from mismatch.quantize.checkpoint_formats import CHECKPOINT_FORMATS
 from mismatch.quantize.codecs import encode
 
 TinyModelFactory = Callable[..., Path]

@@ -217,7 +217,8 @@ def test_emulated_fp8_gemms_equal_per_linear_reference(kind, accumulation, tiny_
 
     from transformers import AutoModelForCausalLM
 
-    from mismatch.engines.numerics import _Emulator, _build_table, apply_numerics, calibrate
+    from mismatch.engines.numerics import _Emulator, apply_numerics, calibrate
+    from mismatch.engines.served_weights import build_table
     from mismatch.profiles import resolve as resolve_spec
     from mismatch.quantize import encode
     from mismatch.quantize.formats import decode_codes, get_format
@@ -229,7 +230,7 @@ def test_emulated_fp8_gemms_equal_per_linear_reference(kind, accumulation, tiny_
     ids = torch.randint(0, 512, (3, 11), generator=g)
     mask = torch.ones_like(ids)
     scales = calibrate(model, spec, [(ids[:1], mask[:1])])
-    table = _build_table(model, spec)
+    table = build_table(model, spec)
     assert all(e.group_slices is not None for e in table.values())
     assert any(e.cols[0] > 0 for e in table.values())  # fused groups exist
 

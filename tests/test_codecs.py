@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mismatch.quantize import CODECS, QuantizeError, decode, encode, fake_quant
-from mismatch.quantize.codecs import pack_nibbles, unpack_nibbles
+from mismatch.quantize.qtensor import pack_nibbles, unpack_nibbles
 
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -318,3 +318,34 @@ def test_direct_fake_quant_equals_decode_of_encode(codec, seed):
     big = _rand((300, 256), seed=seed, dtype=torch.float32)  # the large-tensor encode path
     ref = decode(encode(big, codec, global_scale=scale), torch.float32)
     assert torch.equal(fake_quant(big, codec, global_scale=scale), ref)
+
+
+def test_precision_table_reads_its_codecs():
+    """Each precision's block, scale format and activation-scale divisor are its codecs' own;
+    a precision name registers once."""
+    from mismatch.quantize.precisions import KV_CACHE_CODECS, PRECISIONS, register_precision
+
+    assert list(PRECISIONS) == ["bf16", "fp16", "fp8", "fp8-block128", "w4a16-nvfp4", "nvfp4",
+                                "mxfp4"]
+    assert {n: p.block for n, p in PRECISIONS.items()} == {
+        "bf16": 0, "fp16": 0, "fp8": 0, "fp8-block128": 128, "w4a16-nvfp4": 16, "nvfp4": 16,
+        "mxfp4": 32}
+    assert PRECISIONS["fp8"].activation_scale_divisor == 448.0
+    assert PRECISIONS["nvfp4"].activation_scale_divisor == 6.0 * 448.0
+    for name in ("mxfp4", "fp8-block128", "w4a16-nvfp4", "bf16"):  # dynamic blocks, or none
+        assert PRECISIONS[name].activation_scale_divisor is None
+    assert PRECISIONS["fp8-block128"].scale_format == "FP32 per 128x128 block"
+    assert PRECISIONS["nvfp4"].scale_format == "E4M3 per 16 + FP32 per tensor"
+    assert PRECISIONS["mxfp4"].scale_format == "E8M0 per 32"
+    assert [n for n, p in PRECISIONS.items() if p.is_cast] == ["bf16", "fp16"]
+    assert KV_CACHE_CODECS == {"bf16": None, "fp8": "fp8-act"}
+    with pytest.raises(ValueError, match="registered twice"):
+        register_precision(PRECISIONS["fp8"])
+
+
+def test_checkpoint_formats_take_their_codec_from_the_precision():
+    from mismatch.quantize.checkpoint_formats import CHECKPOINT_FORMATS
+
+    assert {n: (f.codec, f.block) for n, f in CHECKPOINT_FORMATS.items()} == {
+        "fp8": ("fp8", 0), "nvfp4": ("nvfp4", 16), "w4a16-nvfp4": ("w4a16-nvfp4", 16),
+        "mxfp4": ("mxfp4-modelopt", 32)}

@@ -8,10 +8,12 @@ import pytest
 import torch
 from padded_generate import padded_generate
 
-from mismatch.engines.engine import Engine, Request, stream_uniform
+from mismatch.engines.engine import Engine
 from mismatch.engines.episodes import Session, drive_sessions, render_chat
 from mismatch.engines.numerics import apply_numerics, calibrate
+from mismatch.engines.requests import Request
 from mismatch.engines.sampler import SamplingParams, generate
+from mismatch.engines.streams import stream_uniform
 from mismatch.profiles import resolve
 
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from mismatch.engines.attention import KERNEL_FAMILIES, KernelFamily, quantize_kv, tiled_attention
-from mismatch.engines.numerics import ATTN_IMPL, apply_numerics, calibrate, quantizable_weights
+from mismatch.engines.hf_attention import ATTN_IMPL
+from mismatch.engines.numerics import apply_numerics, calibrate
+from mismatch.engines.served_weights import quantizable_weights
 from mismatch.engines.sampler import SamplingParams, generate, process_logits
 from mismatch.engines.scorer import score
 from mismatch.metrics import kl_estimators
@@ -166,7 +168,7 @@ def test_emulated_weights_are_what_a_server_loads(fmt, tmp_path):
     fusion rules (q/k/v and gate/up requantized or rescaled as vLLM does), bit for bit."""
     pytest.importorskip("modelopt", reason="nvidia-modelopt not installed (pip install -e '.[quantize]')")
     from conftest import build_tiny_model
-    from mismatch.engines.numerics import _serve_weights
+    from mismatch.engines.served_weights import serve_weights
     from mismatch.quantize.checkpoint import QuantizeConfig, quantize_checkpoint
     from mismatch.quantize.loader import load_quantized
     from transformers import AutoModelForCausalLM
@@ -178,7 +180,7 @@ def test_emulated_weights_are_what_a_server_loads(fmt, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     compared = 0
     for group, members in quantizable_weights(model).items():
-        ours = torch.cat([decode(q) for q in _serve_weights(group, members, fmt)])
+        ours = torch.cat([decode(q) for q in serve_weights(group, members, fmt)])
         if group.endswith(".qkv"):
             name = group[:-len("qkv")] + "qkv_proj"
         elif group.endswith(".gate_up"):

@@ -247,7 +247,7 @@ def test_sign_rules_on_zeros(rule, expected):
 
 
 def test_decode_packed_matches_unpacked_lookup():
-    from mismatch.quantize.codecs import unpack_nibbles
+    from mismatch.quantize.qtensor import unpack_nibbles
     from mismatch.quantize.formats import decode_packed
 
     every = torch.arange(256, dtype=torch.uint8).reshape(4, 64)

@@ -15,7 +15,8 @@ from conftest import build_tiny_model
 from mismatch.cli.main import app
 from mismatch.probes.config import ProbeConfig
 from mismatch.probes import SOURCES, parse_sources
-from mismatch.probes.accelerator import AcceleratorProbe, fleet_groups
+from mismatch.fleets import fleet_groups
+from mismatch.probes.accelerator import AcceleratorProbe
 from mismatch.probes.base import Evaluation, ProbeContext, Tally, Variant, with_spec
 from mismatch.probes.kernels import KernelsProbe
 from mismatch.probes.ladder import LadderProbe
@@ -116,7 +117,8 @@ def test_kernels_probe_known_answers(moe_dir, prompt_file):
 def test_split_k_changes_only_the_fp32_summation_order():
     """Split-K sums the same exact products in another order: FP32 results differ in some
     elements, by no more than FP32 rounding of a K-term sum, against a float64 reference."""
-    from mismatch.engines.numerics import _Emulator, _Linear
+    from mismatch.engines.numerics import _Emulator
+    from mismatch.engines.served_weights import ServedLinear as _Linear
     from mismatch.profiles import trainer_spec
 
     g = torch.Generator().manual_seed(0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mismatch.profiles import DTYPES, GPUS, ProfileError, natural_pairs, resolve, table
+from mismatch.fleets import natural_pairs
+from mismatch.profiles import DTYPES, GPUS, ProfileError, resolve, table
 
 
 def test_every_pair_resolves_or_says_what_the_gpu_can_run():
@@ -59,3 +60,15 @@ def test_the_study_fleet_resolves():
     assert len(pairs) == 8
     for gpu, dtype in pairs:
         resolve(gpu, dtype, "fp8")
+
+
+def test_gemm_accumulation_is_per_gpu():
+    """Hopper runs per-tensor FP8 W8A8 with fast accumulation; everything else sums in FP32."""
+    from mismatch.profiles import register_gpu
+
+    for name, g in GPUS.items():
+        for dtype in ("fp8", "fp8-block128", "nvfp4", "mxfp4"):
+            fast = dtype == "fp8" and g.arch == "sm90"
+            assert g.accumulation(dtype) == ("hopper-fp8-fast" if fast else "fp32"), (name, dtype)
+    with pytest.raises(ValueError, match="registered twice"):
+        register_gpu(GPUS["h100"])

@@ -9,8 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from mismatch.profiles import natural_pairs, resolve
-from mismatch.train.fleet import PRESETS, Router, SamplerGroup, fleet
+from mismatch.fleets import FLEETS, natural_pairs
+from mismatch.profiles import resolve
+from mismatch.train.fleet import Router, SamplerGroup, fleet
 
 # shares are floats normalized once more inside the router; 1e-9 absorbs the float rounding of
 # N·share in the check, not any slack in the schedule (which is exact)
@@ -40,7 +41,7 @@ def _check_bound(router: Router, sessions: int) -> float:
 
 
 def test_presets():
-    assert set(PRESETS) == {"homogeneous", "precision", "mixed"}
+    assert set(FLEETS) == {"homogeneous", "precision", "mixed"}
     mixed = fleet("mixed")
     assert [g.name for g in mixed] == [f"{g}-{d}" for g, d in natural_pairs()]
     assert len(mixed) == 8
@@ -211,3 +212,12 @@ def test_errors_one_line(call, match):
     with pytest.raises(ValueError, match=match) as info:
         call()
     assert "\n" not in str(info.value)
+
+
+def test_fleet_table():
+    from mismatch.fleets import register_fleet
+
+    assert {f.name: f.level for f in FLEETS.values()} == {
+        "homogeneous": "L0", "precision": "L1", "mixed": "L2"}
+    with pytest.raises(ValueError, match="registered twice"):
+        register_fleet(FLEETS["mixed"])

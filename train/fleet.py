@@ -1,17 +1,9 @@
-"""The sampler fleet of the asynchronous trainer: which groups of samplers exist, and which group
-serves each episode.
+"""The sampler fleet of the asynchronous trainer: its groups, and which group serves each episode.
 
 A *group* is a pool of identical samplers: one GPU serving one precision with one KV-cache format,
-hence one `NumericsSpec` (mismatch.profiles.resolve), and a capacity share.
-Three presets (the study's fleets L0, L1, L2):
-
-- `homogeneous`: one group, B200 serving BF16 with a BF16 KV cache (the trainer's own numerics
-  up to the kernels: the control arm).
-- `precision`: one group, B200 serving NVFP4 weights with BF16 activations (W4A16) and an FP8 KV
-  cache (precision on top of the kernels: the study's L1).
-- `mixed`: the study's eight groups (probes.accelerator.fleet_groups, natural_pairs order):
-  B200 and B300 NVFP4; H100 and H200 FP8 and BF16; A100 and RTX PRO 6000 BF16; every group with
-  an FP8 KV cache. Shares are equal unless `shares` names them (unnamed groups then get 0).
+hence one `NumericsSpec`, and a capacity share. The presets are the study's fleets L0, L1, L2
+(`homogeneous`, `precision`, `mixed`), defined beside the GPU profiles in mismatch.fleets with
+their share rules; `fleet(preset, shares)` resolves one into `SamplerGroup`s.
 
 `Router` assigns each new episode (session) to a group in proportion to capacity. It is sticky —
 a session keeps its group on later calls, so a multi-turn episode is sampled by one numerics —
@@ -48,9 +40,10 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-from mismatch.profiles import NumericsSpec, resolve
+from mismatch.fleets import FLEETS
+from mismatch.profiles import NumericsSpec
 
-__all__ = ["SamplerGroup", "PRESETS", "fleet", "Router"]
+__all__ = ["SamplerGroup", "fleet", "Router"]
 
 
 @dataclass(frozen=True)
@@ -62,47 +55,21 @@ class SamplerGroup:
     share: float
 
 
-def _single(preset: str, gpu: str, dtype: str, kv_cache: str):
-    """A one-group fleet: `gpu` serving `dtype` with a `kv_cache` KV cache, all the capacity."""
-    name = f"{gpu}-{dtype}"
-
-    def build(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
-        for key, value in shares:
-            if key.lower() != name:
-                raise ValueError(f"fleet {preset}: unknown group {key!r}; groups: {name}")
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"fleet {preset}: share of {name} must be finite and > 0")
-        return [SamplerGroup(name=name, spec=resolve(gpu, dtype, kv_cache), share=1.0)]
-
-    return build
-
-
-def _mixed(shares: tuple[tuple[str, float], ...]) -> list[SamplerGroup]:
-    # imported here: probes pulls in torch, which the homogeneous preset does not need
-    from mismatch.probes.accelerator import fleet_groups
-
-    return [SamplerGroup(name=f"{g}-{d}", spec=resolve(g, d, "fp8"), share=s)
-            for g, d, s in fleet_groups(shares)]
-
-
-PRESETS = {"homogeneous": _single("homogeneous", "b200", "bf16", "bf16"),
-           "precision": _single("precision", "b200", "w4a16-nvfp4", "fp8"), "mixed": _mixed}
-
-
 def fleet(preset: str,
           shares: Mapping[str, float] | Iterable[tuple[str, float]] = ()) -> list[SamplerGroup]:
     """The groups of `preset` ("homogeneous", "precision" or "mixed"), shares normalized to 1.
 
     `shares`: {group name: weight} or [(name, weight)]; for `mixed`, groups left out get 0."""
-    build = PRESETS.get(preset.lower() if isinstance(preset, str) else preset)
-    if build is None:
-        raise ValueError(f"unknown fleet preset {preset!r}; presets: {', '.join(PRESETS)}")
+    preset_fleet = FLEETS.get(preset.lower() if isinstance(preset, str) else preset)
+    if preset_fleet is None:
+        raise ValueError(f"unknown fleet preset {preset!r}; presets: {', '.join(FLEETS)}")
     items = shares.items() if isinstance(shares, Mapping) else shares
     try:
         pairs = tuple((str(k), float(v)) for k, v in items)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"fleet shares: expected (group, number) pairs ({exc})") from None
-    return build(pairs)
+    return [SamplerGroup(name=g.name, spec=g.spec(), share=share)
+            for g, share in preset_fleet.shares(pairs)]
 
 
 class Router:

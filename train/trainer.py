@@ -66,9 +66,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from mismatch.fleets import FLEETS as FLEET_PRESETS
 from mismatch.metrics import kl_estimators
 
-from .fleet import PRESETS as FLEET_PRESETS
 from .fleet import Router, SamplerGroup, fleet
 from .loss import ARMS, group_advantages, policy_loss, sc_tail_ratio
 from .rollout import COMPUTE_DTYPES, Trajectory, run_episodes

@@ -66,7 +66,8 @@ def _sampler_numerics(model: torch.nn.Module, spec: NumericsSpec, scales: dict):
     the Triton kernels on the GPU; attention is torch SDPA."""
     import contextlib
 
-    from mismatch.engines.numerics import apply_numerics, fp8_kv_cache
+    from mismatch.engines.hf_attention import fp8_kv_cache
+    from mismatch.engines.numerics import apply_numerics
 
     if spec.weight_codec is None and spec.activation_codec is None:
         return contextlib.nullcontext() if spec.kv_codec is None else fp8_kv_cache(model)

@@ -225,7 +225,7 @@ def probe_command(
             raise ValueError("--trainer-kernels applies to the quick probe; the source probes "
                              "(--sources, --ladder) run the reference trainer")
         if cfg.sources or cfg.ladder:
-            from mismatch.probes.accelerator import fleet_groups
+            from mismatch.fleets import fleet_groups
 
             fleet_groups(cfg.fleet_shares)  # bad shares fail before any work
     except ValueError as exc:

@@ -27,6 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mismatch.quantize.formats import E4M3_MAX
+
+# A query row with every key masked has softmax sum 0 (and output 0): dividing by the smallest
+# normal FP32 instead keeps it 0 rather than NaN, and changes no row with a positive sum.
+_MIN_SOFTMAX_SUM = torch.finfo(torch.float32).tiny
+
 __all__ = ["KernelFamily", "KERNEL_FAMILIES", "tiled_attention", "quantize_kv"]
 
 
@@ -46,17 +52,27 @@ class KernelFamily:
     """Cast P to the input dtype before P·V (FlashAttention's habit)."""
 
 
-KERNEL_FAMILIES: dict[str, KernelFamily] = {k.name: k for k in (
+KERNEL_FAMILIES: dict[str, KernelFamily] = {}
+
+
+def _register_family(k: KernelFamily) -> None:
+    if k.name in KERNEL_FAMILIES:
+        raise ValueError(f"attention kernel family {k.name!r} registered twice")
+    KERNEL_FAMILIES[k.name] = k
+
+
+for _k in (
     KernelFamily(name="fa2", tile_k=128, decode_tile_k=256, decode_splits=4),
     KernelFamily(name="fa3", tile_k=128, decode_tile_k=192, decode_splits=4),
     KernelFamily(name="flashinfer", tile_k=64, decode_tile_k=64, decode_splits=4),
     KernelFamily(name="trtllm", tile_k=128, decode_tile_k=128, decode_splits=4),
-)}
+):
+    _register_family(_k)
 
 
 def quantize_kv(x: torch.Tensor, kv_scale: float = 1.0) -> torch.Tensor:
     """Store-and-load through an FP8 E4M3 KV cache with a per-tensor scale: [...] → [...] x.dtype."""
-    y = (x.float() / kv_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    y = (x.float() / kv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return (y.float() * kv_scale).to(x.dtype)
 
 
@@ -124,5 +140,5 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             w = torch.exp(torch.where(torch.isinf(pm), torch.full_like(pm, -math.inf), pm - m_safe))
             l = l + pl * w
             o = o + po * w[..., None]
-    out = o / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    out = o / l.clamp_min(_MIN_SOFTMAX_SUM)[..., None]
     return out.reshape(b, h, tq, -1).to(q.dtype)

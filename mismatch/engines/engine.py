@@ -21,10 +21,9 @@ router precision):
   wrote. `kv_reuse=False` re-prefills every request from its first token (the switch the kernels
   probe uses to measure the difference). Idle sessions are evicted least recently used first
   when a request needs their slot; an evicted session's next request is prefilled in full.
-- **Per-sequence random streams.** Each request carries its own `seed`; the uniform that draws
-  its j-th token is a counter-based hash of (seed, j) (SplitMix64), sampled by inverse CDF over
-  the processed distribution. A sequence's draws therefore never depend on which other sequences
-  share its batch, or when it joined.
+- **Per-sequence random streams.** Each request carries its own `seed`; its j-th token is drawn
+  by the j-th uniform of that stream (streams.py), so a sequence's draws never depend on which
+  other sequences share its batch, or when it joined.
 
 What is batch-invariant and what is not. Invariant: each sequence's random draws, its prompt,
 positions and mask, the activation scales (static, per tensor) and dynamic per-group scales
@@ -34,11 +33,7 @@ the batch's row count, so log-probs can differ in their last bits with the batch
 (the batch-composition source of the kernels probe); a sampled token changes only where such a
 difference moves the inverse CDF across a token boundary.
 
-Per generated token a `Completion` holds the raw log-prob (temperature 1, full vocabulary), the
-processed log-prob (the distribution sampled from), the top-K candidates of the raw distribution
-ranked by `sampler.ranked_topk` with the flags of those inside the sampled support, optionally
-the whole raw log-softmax, and (MoE models) the experts each router chose for every position the
-engine computed (−1 where none: the last sampled token is never fed back).
+What a request asks and what its `Completion` holds: requests.py.
 """
 
 from __future__ import annotations
@@ -46,99 +41,20 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable
+from typing import Callable, Hashable, Iterable
 
 import torch
 
 from .kv_cache import SlotCache
+from .outputs import SlotOutputs
+from .requests import Completion, EngineStats, Request
 from .routing import routers as find_routers
-from .sampler import SamplingParams, process_logits, ranked_topk
+from .sampler import process_rows, ranked_topk
+from .streams import inverse_cdf_draw, stream_uniform
 
-__all__ = ["Request", "Completion", "Engine", "EngineStats", "stream_uniform"]
+__all__ = ["Engine"]
 
-_MASK64 = (1 << 64) - 1
 _CAPACITY_STEP = 256  # the KV capacity grows in whole multiples of this many positions
-
-
-def stream_uniform(seed: int, index: int) -> float:
-    """The index-th uniform in [0, 1) of the stream `seed`: SplitMix64 of a counter (Steele,
-    Lea & Flood 2014), top 53 bits. Pure Python integers: exact on every machine."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z >> 11) * (1.0 / (1 << 53))
-
-
-@dataclass
-class Request:
-    """One sequence to complete."""
-
-    prompt: list[int]
-    """Token ids of the context (non-empty)."""
-    params: SamplingParams
-    """Length cap, temperature, top-k / top-p, candidates recorded (seed unused: see `seed`)."""
-    seed: int = 0
-    """This sequence's random stream."""
-    forced: list[int] | None = None
-    """Tokens to feed instead of sampling (teacher forcing through the decode path)."""
-    session: Hashable | None = None
-    """Keep the KV after finishing, for this session's next request (KV reuse across turns)."""
-    keep_full: bool = False
-    """Also keep the whole raw log-softmax of every generated position."""
-    tag: Any = None
-    """The caller's: handed back on the completion."""
-
-    def __post_init__(self) -> None:
-        if not self.prompt:
-            raise ValueError("a request needs a non-empty prompt")
-        if self.forced is not None and not self.forced:
-            raise ValueError("forced tokens, when given, must be non-empty")
-
-
-@dataclass
-class Completion:
-    """What the engine produced for one request."""
-
-    request: Request
-    tokens: list[int]
-    """Generated (or forced) ids, EOS included when sampled."""
-    logprobs: torch.Tensor
-    """[n] FP32 raw log-probs of `tokens`."""
-    logprobs_processed: torch.Tensor
-    """[n] FP32 log-probs under the distribution sampled from."""
-    candidate_ids: torch.Tensor
-    """[n, K] int64 top-K of the raw distribution (value descending, then id ascending)."""
-    candidate_logprobs: torch.Tensor
-    """[n, K] FP32."""
-    candidate_in_support: torch.Tensor
-    """[n, K] bool: the candidate lies in the distribution sampled from."""
-    finish_reason: str
-    """"eos", "length" (the request's cap), "forced" (end of forced tokens) or "context" (the
-    engine's context limit)."""
-    cached_tokens: int
-    """Prompt tokens whose KV came from the session's cache (not prefilled again)."""
-    routed_experts: torch.Tensor | None = None
-    """[len(prompt) + n, L, k] int64 experts per MoE layer for each position, −1 where none."""
-    full_logprobs: torch.Tensor | None = None
-    """[n, V] FP32 whole raw log-softmax (when the request asked)."""
-
-
-@dataclass
-class EngineStats:
-    """Counters of one engine, cumulative."""
-
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    decode_tokens: int = 0
-    steps: int = 0
-    requests: int = 0
-    evictions: int = 0
-    busy_s: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.busy_s if self.busy_s else 0.0
 
 
 @dataclass
@@ -188,7 +104,7 @@ class Engine:
         self.stats = EngineStats()
         self._cache: SlotCache | None = None
         self._routing: torch.Tensor | None = None  # [slots, capacity, L, k] experts per position
-        self._out: dict[str, torch.Tensor] | None = None  # per-slot output buffers
+        self._out = SlotOutputs(slots)
         self._state = [_SlotState() for _ in range(slots)]
         self._sessions: OrderedDict[Hashable, int] = OrderedDict()  # session → slot, LRU first
         self._device = next(model.parameters()).device
@@ -308,7 +224,7 @@ class Engine:
         logits = self.model.get_output_embeddings()(last).float()
         if self.routers and all(len(s) == 1 for s in sink):
             chosen = torch.stack([s[0].view(b, width, -1) for s in sink], dim=2).cpu()
-            _, b_idx, j_idx, slot_idx, pos_idx, _, _ = cache._plan
+            b_idx, j_idx, slot_idx, pos_idx = cache.planned_positions()
             table = self._routing_table(cache.capacity, chosen.shape[-1])
             table[slot_idx.cpu(), pos_idx.cpu()] = chosen[b_idx.cpu(), j_idx.cpu()]
         for slot, s0, x in zip(rows, starts, inputs):
@@ -334,7 +250,7 @@ class Engine:
         waiting: deque[Request] = deque(requests)
         done: dict[int, Completion] = {}
         running: dict[int, _Seq] = {}
-        self._outputs(requests)
+        self._out.ensure(requests, self._vocab())
         full: dict[int, list[torch.Tensor]] = {}  # keep_full rows: their raw log-softmax rows
         t0 = time.perf_counter()
         while waiting or running:
@@ -392,7 +308,7 @@ class Engine:
                 follow = on_finish(comp) if on_finish is not None else None
                 session = s.request.session
                 if follow is not None:
-                    self._outputs([follow])
+                    self._out.ensure([follow], self._vocab())
                     order.append(follow)
                     waiting.appendleft(follow)
                 elif on_finish is not None and session is not None:
@@ -416,43 +332,14 @@ class Engine:
             return "context"
         return None
 
-    def _outputs(self, requests: list[Request]) -> None:
-        """Per-slot output buffers [slots, width(, K)] wide enough for `requests`."""
-        width = max(len(r.forced) if r.forced else r.params.max_new_tokens for r in requests)
-        k = max(r.params.candidates for r in requests)
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        k = min(k, vocab)
-        have = self._out
-        if have is not None and have["raw"].shape[1] >= width and have["cid"].shape[2] >= k:
-            return
-        if have is not None:
-            width, k = max(width, have["raw"].shape[1]), max(k, have["cid"].shape[2])
-        shape = (self.slots, width)
-        out = {"raw": torch.zeros(shape), "proc": torch.zeros(shape),
-               "cid": torch.zeros(*shape, k, dtype=torch.long), "clp": torch.zeros(*shape, k),
-               "sup": torch.zeros(*shape, k, dtype=torch.bool)}
-        if have is not None:  # keep what running sequences wrote
-            for name, t in have.items():
-                if t.ndim == 2:
-                    out[name][:, :t.shape[1]] = t
-                else:
-                    out[name][:, :t.shape[1], :t.shape[2]] = t
-        self._out = out
+    def _vocab(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor, full: dict) -> None:
         """Draw (or force) each row's next token; write its log-probs and candidates into the
         slots' output buffers (one indexed write per buffer for the whole batch)."""
         raw = torch.log_softmax(logits, dim=-1)
-        groups: dict[SamplingParams, list[int]] = {}
-        for i, s in enumerate(seqs):
-            groups.setdefault(s.request.params, []).append(i)
-        if len(groups) == 1:
-            proc = process_logits(logits, next(iter(groups)))
-        else:
-            proc = torch.empty_like(raw)
-            for params, idx in groups.items():
-                sel = torch.tensor(idx)
-                proc[sel] = process_logits(logits[sel], params)
+        proc = process_rows(logits, [s.request.params for s in seqs])
         n = len(seqs)
         tokens = torch.empty(n, dtype=torch.long)
         draw, greedy = [], []
@@ -470,29 +357,21 @@ class Engine:
         if draw:
             d = torch.tensor(draw) if len(draw) < n else None
             p = proc if d is None else proc[d]
-            cdf = p.exp().cumsum(-1)
             u = torch.tensor([stream_uniform(seqs[i].request.seed, len(seqs[i].tokens))
                               for i in draw], dtype=torch.float64)
-            target = (u * cdf[:, -1].double().cpu()).float()[:, None].to(cdf.device)
-            pick = torch.searchsorted(cdf, target, right=True)[:, 0]
-            # a target at the very top of the CDF: the last token of the support
-            last = (p > float("-inf")).float().cumsum(-1).argmax(-1)
-            picked = torch.minimum(pick, last).cpu()
+            picked = inverse_cdf_draw(p, u)
             if d is None:
                 tokens = picked
             else:
                 tokens[d] = picked
-        out = self._out
-        k = out["cid"].shape[2]
         tok_dev = tokens.to(raw.device)
-        cand_lp, cand_ids = ranked_topk(raw, k)
-        slots = torch.tensor([s.slot for s in seqs])
-        steps = torch.tensor([len(s.tokens) for s in seqs])
-        out["raw"][slots, steps] = raw.gather(-1, tok_dev[:, None])[:, 0].cpu()
-        out["proc"][slots, steps] = proc.gather(-1, tok_dev[:, None])[:, 0].cpu()
-        out["cid"][slots, steps] = cand_ids.cpu()
-        out["clp"][slots, steps] = cand_lp.cpu()
-        out["sup"][slots, steps] = torch.isfinite(proc.gather(-1, cand_ids)).cpu()
+        cand_lp, cand_ids = ranked_topk(raw, self._out.k)
+        self._out.write(torch.tensor([s.slot for s in seqs]),
+                        torch.tensor([len(s.tokens) for s in seqs]),
+                        raw=raw.gather(-1, tok_dev[:, None])[:, 0].cpu(),
+                        proc=proc.gather(-1, tok_dev[:, None])[:, 0].cpu(),
+                        cid=cand_ids.cpu(), clp=cand_lp.cpu(),
+                        sup=torch.isfinite(proc.gather(-1, cand_ids)).cpu())
         for i, (s, t) in enumerate(zip(seqs, tokens.tolist())):
             if full and id(s) in full:
                 full[id(s)].append(raw[i].cpu())
@@ -509,12 +388,8 @@ class Engine:
             routed = torch.full((total, *table.shape[2:]), -1, dtype=torch.long)
             have = min(len(st.tokens), total)  # the last token was never fed back
             routed[:have] = table[s.slot, :have]
-        out, k = self._out, min(r.params.candidates, self._out["cid"].shape[2])
         return Completion(
-            request=r, tokens=list(s.tokens), logprobs=out["raw"][s.slot, :n].clone(),
-            logprobs_processed=out["proc"][s.slot, :n].clone(),
-            candidate_ids=out["cid"][s.slot, :n, :k].clone(),
-            candidate_logprobs=out["clp"][s.slot, :n, :k].clone(),
-            candidate_in_support=out["sup"][s.slot, :n, :k].clone(), finish_reason=reason,
-            cached_tokens=s.cached, routed_experts=routed,
+            request=r, tokens=list(s.tokens),
+            **self._out.read(s.slot, n, min(r.params.candidates, self._out.k)),
+            finish_reason=reason, cached_tokens=s.cached, routed_experts=routed,
             full_logprobs=torch.stack(full) if full else None)

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .engine import Completion, Engine, Request
+from .engine import Engine
+from .requests import Completion, Request
 from .sampler import SamplingParams
 
 __all__ = ["EpisodeError", "EpisodeTrace", "Session", "continuation_ids", "render_chat",

@@ -59,6 +59,12 @@ class SlotCache(Cache):
         self._plan = (rows, b_idx, j_idx, rows[b_idx], starts[b_idx] + j_idx, tk,
                       (lo, lo + n) if contiguous else None)
 
+    def planned_positions(self) -> tuple[torch.Tensor, ...]:
+        """(b_idx, j_idx, slot_idx, pos_idx) [n] each: the batch row, query offset, slot and
+        position of every new token of the planned forward."""
+        assert self._plan is not None, "plan() first"
+        return self._plan[1:5]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         rows, b_idx, j_idx, slot_idx, pos_idx, tk, span = self._plan

@@ -18,7 +18,8 @@ import torch
 
 from ..records import Rollout
 
-__all__ = ["SamplingParams", "generate", "process_logits", "ranked_topk", "row_seed", "to_rollout"]
+__all__ = ["SamplingParams", "generate", "process_logits", "process_rows", "ranked_topk", "row_seed",
+           "to_rollout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +49,21 @@ class SamplingParams:
         if self.top_k < 0 or self.candidates < 1:
             raise ValueError(f"top_k must be >= 0 and candidates >= 1, got {self.top_k}, "
                              f"{self.candidates}")
+
+
+def process_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[B, V] FP32 logits with one SamplingParams per row → [B, V] processed log-probs (rows that
+    share their params are processed together)."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p, []).append(i)
+    if len(groups) == 1:
+        return process_logits(logits, next(iter(groups)))
+    proc = torch.empty_like(logits)
+    for p, idx in groups.items():
+        sel = torch.tensor(idx)
+        proc[sel] = process_logits(logits[sel], p)
+    return proc
 
 
 def ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +121,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     whole raw log-softmax of every step, `full_logprobs` [B, n, V] FP32 (zeros after a
     row's end). `candidate_in_support` [B, T, K] bool marks the candidates inside the
     distribution sampled from (top-k / top-p support)."""
-    from .engine import Engine, Request
+    from .engine import Engine
+    from .requests import Request
     from .routing import routers
 
     if not prompts or any(len(p) == 0 for p in prompts):

@@ -66,14 +66,17 @@ def _die_with_parent() -> None:
 
 
 def _main(conn, index: int, threads: int, tied: bool) -> None:
-    import torch
-
-    from ..runtime import tune_allocator
+    from ..runtime import torch_threads, tune_allocator
 
     if tied:
         _die_with_parent()
     tune_allocator()
-    torch.set_num_threads(threads)
+    with torch_threads(threads):
+        _serve(conn, index)
+
+
+def _serve(conn, index: int) -> None:
+    """Receive the setup, then run each (fn, args, kwargs) sent until None or a closed pipe."""
     try:
         _STATE["setup"] = conn.recv()
         _STATE["index"] = index

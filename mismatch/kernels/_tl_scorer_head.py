@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .scorer_head import _SERIES_BELOW, HeadOutput
+from .scorer_head import TAYLOR_SERIES_BELOW, HeadOutput
 
-SERIES_BELOW = tl.constexpr(_SERIES_BELOW)
+SERIES_BELOW = tl.constexpr(TAYLOR_SERIES_BELOW)
 
 
 @triton.jit

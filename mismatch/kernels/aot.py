@@ -29,6 +29,8 @@ _GEMM_SIG = {"a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "M": "i32", "
 
 def _variants():
     """(label, kernel, signature, constexprs, options) of every variant the launchers use."""
+    from mismatch.quantize.accumulate import ACCUMULATIONS
+
     from . import _tl_fake_quant as fq, _tl_gemm as gm, _tl_scorer_head as sh
     from .fake_quant import KERNEL_CODECS
     from .scorer_head import default_blocks
@@ -47,12 +49,13 @@ def _variants():
         yield (f"fake_quant {codec}", fq._fake_quant_kernel,
                {**_FQ_SIG, **{k: "constexpr" for k in consts}}, consts,
                {"enable_fp_fusion": False})
-    for name, mbits, promote in (("fp32", None, 0), ("hopper-fp8-fast", 13, 0),
-                                 ("hopper-fp8-promote128", 13, 4)):
+    for acc in ACCUMULATIONS.values():
+        mbits = acc.acc_mbits
         consts = {"KEEP_MASK": ~((1 << (52 - mbits)) - 1) if mbits else 0,
-                  "TRUNCATE": mbits is not None, "PROMOTE_SLICES": promote, "MMA_K": 32,
+                  "TRUNCATE": mbits is not None,
+                  "PROMOTE_SLICES": (acc.promote_every or 0) // acc.mma_k, "MMA_K": acc.mma_k,
                   "BLOCK_M": 16, "BLOCK_N": 16}
-        yield (f"accumulate_gemm {name}", gm._acc_gemm_kernel,
+        yield (f"accumulate_gemm {acc.name}", gm._acc_gemm_kernel,
                {**_GEMM_SIG, **{k: "constexpr" for k in consts}}, consts,
                {"enable_fp_fusion": False})
 

@@ -26,22 +26,26 @@ from __future__ import annotations
 
 import torch
 
-from mismatch.quantize.codecs import _check_input, _nvfp4_global, fake_quant as _reference, get_codec
-from mismatch.quantize.formats import E4M3_MAX
+from mismatch.quantize.codecs import check_input, fake_quant as _reference, get_codec
+from mismatch.quantize.schemes import nvfp4_global_scale
 
 from .runtime import KernelError, use_triton
 
 __all__ = ["KERNEL_CODECS", "fake_quant", "fake_quant_torch", "fake_quant_triton"]
 
-# codec -> (kernel mode, scale-group width along the last dim; 0 = the whole last dim)
-KERNEL_CODECS: dict[str, tuple[int, int]] = {
-    "fp8-act": (0, 0),        # per-tensor E4M3, x · (1/scale), static or amax/448 scale
-    "fp8-channel": (1, 0),    # per-token (per-row) E4M3, x / (amax_row/448)
-    "mxfp4": (2, 32),         # OCP MX: E8M0 exponent floor(log2 amax) − 2
-    "mxfp4-rceil": (3, 32),   # NVIDIA kernels: E8M0 = amax/6 rounded up to a power of two
-    "nvfp4-act": (4, 16),     # serving-kernel activation order, FP32 input_scale
-    "nvfp4": (5, 16),         # modelopt weight order, FP32 weight_scale_2
+# codec -> the kernel's mode (its branch in _tl_fake_quant.py)
+_KERNEL_MODES: dict[str, int] = {
+    "fp8-act": 0,       # per-tensor E4M3, x · (1/scale), static or amax/448 scale
+    "fp8-channel": 1,   # per-token (per-row) E4M3, x / (amax_row/448)
+    "mxfp4": 2,         # OCP MX: E8M0 exponent floor(log2 amax) − 2
+    "mxfp4-rceil": 3,   # NVIDIA kernels: E8M0 = amax/6 rounded up to a power of two
+    "nvfp4-act": 4,     # serving-kernel activation order, FP32 input_scale
+    "nvfp4": 5,         # modelopt weight order, FP32 weight_scale_2
 }
+# codec -> (kernel mode, scale-group width along the last dim, the codec's block; 0 = the whole
+# last dim: a per-row or per-tensor scale)
+KERNEL_CODECS: dict[str, tuple[int, int]] = {
+    codec: (mode, get_codec(codec).block) for codec, mode in _KERNEL_MODES.items()}
 
 
 def fake_quant_torch(x: torch.Tensor, codec: str, *, global_scale: torch.Tensor | None = None,
@@ -60,11 +64,12 @@ def _scale_for(x: torch.Tensor, codec: str, global_scale: torch.Tensor | None) -
             raise KernelError(f"codec {codec}: global_scale must be positive and finite, got "
                               f"{float(global_scale.flatten()[0])}")
         return global_scale.reshape(1).float()
-    if codec == "fp8-act":
+    spec = get_codec(codec)
+    if spec.scheme == "nvfp4":
+        return nvfp4_global_scale(x).reshape(1)
+    if spec.scale_divisor is not None:  # per-tensor FP8: amax / 448
         amax = x.abs().amax().float()
-        return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).reshape(1)
-    if codec in ("nvfp4-act", "nvfp4"):
-        return _nvfp4_global(x).reshape(1)
+        return torch.where(amax > 0, amax / spec.scale_divisor, torch.ones_like(amax)).reshape(1)
     return torch.ones(1, device=x.device)
 
 
@@ -77,7 +82,7 @@ def fake_quant_triton(x: torch.Tensor, codec: str, *, global_scale: torch.Tensor
     if codec not in KERNEL_CODECS:
         raise KernelError(f"no fake-quant kernel for codec {codec!r}; kernels: "
                           f"{', '.join(KERNEL_CODECS)}")
-    _check_input(x, get_codec(codec), validate)
+    check_input(x, get_codec(codec), validate)
     from ._tl_fake_quant import launch
 
     mode, group = KERNEL_CODECS[codec]

@@ -37,9 +37,11 @@ from .runtime import KernelError, use_triton
 __all__ = ["HeadOutput", "scorer_head", "scorer_head_torch", "scorer_head_triton", "q_delta",
            "g_log1p", "default_blocks"]
 
-_SERIES_BELOW = 0.1  # |x| under which q(δ) and g(c) are evaluated as their Taylor series (to the
-#                      7th power: remainder < 0.1⁸/8 relative to 0.1²/2, ~2.5e-7); above, the
-#                      closed forms lose < 2e-6 relative to cancellation.
+_KL_MIN = 0.0  # a KL is >= 0; FP32 rounding of b − g(b − a) can dip below it by an ulp
+# |x| under which q(δ) and g(c) are evaluated as their Taylor series (to the 7th power: remainder
+# < 0.1⁸/8 relative to 0.1²/2, ~2.5e-7); above, the closed forms lose < 2e-6 relative to
+# cancellation.
+TAYLOR_SERIES_BELOW = 0.1
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,14 @@ def q_delta(delta: torch.Tensor) -> torch.Tensor:
     d = delta
     series = d * d * (0.5 - d * (1.0 / 6 - d * (1.0 / 24 - d * (1.0 / 120 - d * (
         1.0 / 720 - d * (1.0 / 5040))))))
-    return torch.where(d.abs() < _SERIES_BELOW, series, torch.exp(-d) - 1.0 + d)
+    return torch.where(d.abs() < TAYLOR_SERIES_BELOW, series, torch.exp(-d) - 1.0 + d)
 
 
 def g_log1p(c: torch.Tensor) -> torch.Tensor:
     """g(c) = c − log1p(c) in FP32 (c > −1): the series below |c| = 0.1, the closed form above."""
     series = c * c * (0.5 - c * (1.0 / 3 - c * (0.25 - c * (0.2 - c * (1.0 / 6 - c * (
         1.0 / 7))))))
-    return torch.where(c.abs() < _SERIES_BELOW, series, c - torch.log1p(c))
+    return torch.where(c.abs() < TAYLOR_SERIES_BELOW, series, c - torch.log1p(c))
 
 
 def _kl_from_candidates(cand_lp: torch.Tensor, sampler_lp: torch.Tensor) -> torch.Tensor:
@@ -81,7 +83,7 @@ def _kl_from_candidates(cand_lp: torch.Tensor, sampler_lp: torch.Tensor) -> torc
     delta = delta - (mu * delta).sum(-1, keepdim=True)  # centred: KL is shift-invariant in δ
     a = (mu * delta).sum(-1)
     b = (mu * q_delta(delta)).sum(-1)
-    return (b - g_log1p(b - a)).clamp_min(0.0)
+    return (b - g_log1p(b - a)).clamp_min(_KL_MIN)
 
 
 def _check(hidden, weight, logits, labels, candidate_ids, sampler_lp, row_tile, vocab_tile):

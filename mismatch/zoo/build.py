@@ -5,26 +5,25 @@
     3. save it in BF16 (safetensors) with the tokenizer, reload it the way users do (loading.py)
     4. held-out figures of the reloaded BF16 weights (metrics.py, solve.py); build_info + card
 
-Everything runs on one CPU thread (`_one_thread`, restored afterwards): with the seed that fixes
+Everything runs on one CPU thread (`mismatch.runtime.torch_threads(1)`, restored afterwards): with the seed that fixes
 the initialization and the batch stream, a build is bitwise reproducible on the same machine.
 
-Output is written to a temporary sibling of `out` (`<name>.tmp-<pid>`) and renamed into place at
-the end, so `out` is never half-written; a directory that is in the way must be a previous build
+Output is written to a temporary sibling of `out` (`mismatch.io.atomic_directory`) and renamed
+into place at the end, so `out` is never half-written; a directory that is in the way must be a previous build
 (it has build_info.json) or empty, so a mistyped `--out` cannot replace unrelated files.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
-import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from ..io import atomic_directory
+from ..runtime import torch_threads
 from .card import BUILD_INFO, write_card
 from .chat_template import render
 from .errors import ZooError
@@ -72,33 +71,12 @@ def build_command(config: BuildConfig, out: Path | None = None) -> str:
     return f"mismatch zoo build --seed {config.seed} --steps {config.train.steps}{where}"
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ZooError(f"--out {out} is a file; pass a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / BUILD_INFO).is_file():
         raise ZooError(f"--out {out} is not empty and holds no previous build ({BUILD_INFO}); "
                        "pass a new or empty directory")
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished build into place (the old build, if any, is removed afterwards)."""
-    old = out.parent / f"{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _train_and_save(config: BuildConfig, tmp: Path, log: Callable[[str], None]) -> dict[str, Any]:
@@ -181,12 +159,8 @@ def build(config: BuildConfig, out: Path | str | None = None, *,
 
     target = Path(out).expanduser().resolve() if out is not None else default_model_dir()
     _check_out(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f"{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        with _one_thread():
+    with atomic_directory(target, force=True) as tmp:
+        with torch_threads(1):
             info = _train_and_save(config, tmp, log)
             info.update(_evaluate(config, tmp, log))
         info.update({
@@ -197,8 +171,5 @@ def build(config: BuildConfig, out: Path | str | None = None, *,
                          "tokenizers": tokenizers.__version__},
         })
         write_card(tmp, info)
-        _replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"wrote {target}")
     return info
