@@ -30,7 +30,8 @@ def main() -> None:
     import torch
 
     from mismatch.zoo import load_model, load_tokenizer
-    from mismatch.train.trainer import TrainConfig, evaluate
+    from mismatch.train.config import TrainConfig
+    from mismatch.train.evaluation import evaluate
 
     torch.set_num_threads(2)
     tok = load_tokenizer()

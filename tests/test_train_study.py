@@ -17,7 +17,7 @@ import pytest
 
 from mismatch.train.study import STUDY_PRESETS, StudyConfig, cells, run_state
 from mismatch.train.study_report import summarize_run
-from mismatch.train.trainer import latest_checkpoint, read_metrics
+from mismatch.train.rundir import latest_checkpoint, read_metrics
 
 CLI = [sys.executable, "-m", "mismatch.cli"]
 

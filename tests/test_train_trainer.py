@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from mismatch.probes.monitor import MonitorConfig
-from mismatch.train.trainer import (Publisher, TrainConfig, Unit, build_batch, latest_checkpoint,
-                           preset_config, read_metrics, run)
+from mismatch.train.batch import Unit, build_batch
+from mismatch.train.config import TrainConfig, preset_config
+from mismatch.train.loop import run
+from mismatch.train.pipeline import Publisher
+from mismatch.train.rundir import latest_checkpoint, read_metrics
 
 REQUIRED = ("step", "reward", "kl", "format_error_rate", "mis_masked_fraction", "sc_tail_ratio",
             "entropy", "grad_norm", "staleness_mean", "tokens_per_s", "group_kl")
@@ -129,7 +132,7 @@ def test_publisher_is_monotonic():
 def test_batch_places_candidates_and_advantages(async_run, model, tok):
     from mismatch.train.fleet import fleet
     from mismatch.train.rollout import run_episodes
-    from mismatch.train.trainer import task_of
+    from mismatch.train.batch import task_of
 
     group = fleet("mixed")[3]
     eps = run_episodes(model, tok, [task_of(0, 0)] * 2 + [task_of(1, 0)] * 2, group, version=2,
@@ -265,7 +268,7 @@ def test_config_checks():
 
 
 def test_task_mix_takes_kinds_in_turn():
-    from mismatch.train.trainer import task_of
+    from mismatch.train.batch import task_of
 
     kinds = ("arith", "table")
     assert [task_of(u, 0, kinds).kind for u in range(4)] == ["arith", "table"] * 2
@@ -278,7 +281,8 @@ def test_task_mix_takes_kinds_in_turn():
 def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok, arm):
     from mismatch.train.fleet import fleet
     from mismatch.train.rollout import run_episodes
-    from mismatch.train.trainer import Trainer, task_of
+    from mismatch.train.batch import task_of
+    from mismatch.train.trainer import Trainer
 
     group = fleet("mixed")[5]  # a BF16 group
     eps = run_episodes(model, tok, [task_of(1, 0, ("arith",))] * 4, group, version=0,
@@ -329,7 +333,7 @@ def _old_batch_loss(model, b, arm, attention):
         kwargs = dict(cand_logp=cand, cand_sampler_logp=b.cand_sampler_logp)
         if ARMS[arm].top_p:
             kwargs["support_mask"] = b.support
-    loss, m = policy_loss(logp, b.sampler_logp, b.advantages, mask, arm=arm, **kwargs)
+    loss, m = policy_loss(logp, b.sampler_logp, b.advantages, mask, arm=ARMS[arm], **kwargs)
     return loss, m, -(lsm.exp() * lsm).sum(-1).detach(), logp, cand
 
 
@@ -337,7 +341,7 @@ def _old_batch_loss(model, b, arm, attention):
 def padded_batch(model, tok):
     from mismatch.train.fleet import fleet
     from mismatch.train.rollout import run_episodes
-    from mismatch.train.trainer import task_of
+    from mismatch.train.batch import task_of
 
     group = fleet("mixed")[5]
     eps = run_episodes(model, tok, [task_of(2, 0, ("arith",))] * 4, group, version=0,
@@ -359,7 +363,8 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
     (to BF16 rounding), the loss and its metrics to float rounding (summed in another order);
     the unmasked forward of a right-padded batch gives the masked forward's loss bit for bit
     and its gradients to BF16 rounding (the attention backward's summation order)."""
-    from mismatch.train.trainer import batch_loss, token_scores
+    from mismatch.train.scoring import token_scores
+    from mismatch.train.trainer import batch_loss
 
     b = padded_batch
     net = copy.deepcopy(model).train()

@@ -147,7 +147,7 @@ def cells(cfg: StudyConfig) -> list[Cell]:
 
 
 def _steps_logged(run: Path) -> int:
-    from .trainer import read_metrics
+    from .rundir import read_metrics
 
     recs = read_metrics(run / "metrics.jsonl")
     return recs[-1]["step"] if recs else 0
@@ -155,7 +155,7 @@ def _steps_logged(run: Path) -> int:
 
 def run_state(run: Path, steps: int) -> str:
     """done | resume (a checkpoint to continue from) | fresh (nothing, or nothing worth keeping)"""
-    from .trainer import latest_checkpoint
+    from .rundir import latest_checkpoint
 
     if (run / "final").is_dir() and _steps_logged(run) >= steps:
         return "done"

@@ -73,7 +73,7 @@ def _heldout(run: Path) -> dict[str, float]:
 
 def summarize_run(run: Path) -> dict[str, Any] | None:
     """One run's curves and the figures the study compares (None if it logged nothing)."""
-    from .trainer import read_metrics
+    from .rundir import read_metrics
 
     recs = read_metrics(run / "metrics.jsonl")
     if not recs:

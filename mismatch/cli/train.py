@@ -82,7 +82,9 @@ def train_command(
     from mismatch.cli.main import fail, quiet_libraries
 
     quiet_libraries()
-    from mismatch.train.trainer import EXIT_STOPPED, check_out, preset_config, run
+    from mismatch.train.config import preset_config
+    from mismatch.train.loop import EXIT_STOPPED, run
+    from mismatch.train.rundir import check_out
 
     try:
         cfg = preset_config(preset, correction=correction, steps=steps, lr=lr,
@@ -125,7 +127,7 @@ def train_command(
     except ValueError as exc:
         fail(str(exc))
     except RuntimeError as exc:
-        from mismatch.train.ray_backend import BackendError
+        from mismatch.train.ray_actors import BackendError
 
         if not isinstance(exc, BackendError):
             raise
