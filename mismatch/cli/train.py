@@ -257,7 +257,7 @@ def study_command(
     quiet_libraries()
     from dataclasses import replace
 
-    from mismatch.train.study import STUDY_PRESETS, StudyConfig, run_grid
+    from mismatch.train.study import STUDY_PRESETS, run_grid
     from mismatch.train.study_report import aggregate
 
     grid_command = ""
@@ -269,7 +269,7 @@ def study_command(
             raise ValueError(f"--jobs must be >= 1, got {jobs}")
         if notes is not None and not notes.is_file():
             raise ValueError(f"--notes {notes}: no such file")
-        cfg = StudyConfig(**STUDY_PRESETS[preset])
+        cfg = STUDY_PRESETS[preset]()
         over = {"fleets": fleets and _csv(fleets), "arms": arms and _csv(arms),
                 "seeds": seeds and _csv(seeds, int),
                 "staleness": staleness and _csv(staleness, int),
