@@ -61,6 +61,26 @@ def test_metrics_log_has_every_required_field_once_per_step(async_run):
     assert latest_checkpoint(out).name == f"step-{cfg.steps:06d}"
 
 
+# metrics.jsonl's keys in order (record.StepRecord.to_json), for an arm that centers and replays
+# top-p (its head and support masses) on the local backend
+RECORD_KEYS = [
+    "step", "reward", "kl", "kl_k1", "format_error_rate", "mis_masked_fraction", "sc_tail_ratio",
+    "entropy", "grad_norm", "staleness_mean", "staleness_max", "staleness_tokens",
+    "tokens_per_s", "response_length", "group_kl", "group_reward", "group_tokens_per_s",
+    "end_reasons", "loss", "ratio_p05", "ratio_p50", "ratio_p95", "n_episodes",
+    "sampled_tokens", "units", "units_claimed", "stale_units_dropped", "step_seconds",
+    "trainer_wait_seconds", "train_seconds", "trainer_idle_share", "head_mass_sampler",
+    "support_mass_sampler", "support_mass_trainer", "queue_depth", "backend",
+    "sampler_restarts", "requeued_units"]
+
+
+def test_metrics_records_keep_their_keys_in_order(async_run):
+    out, cfg, _ = async_run
+    assert cfg.correction == "sc+mis+topp"
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        assert list(json.loads(line)) == RECORD_KEYS
+
+
 def test_units_are_each_consumed_once(async_run):
     out, cfg, _ = async_run
     units = [u for r in read_metrics(out / "metrics.jsonl") for u in r["units"]]
