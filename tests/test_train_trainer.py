@@ -377,7 +377,7 @@ def padded_batch(model, tok):
 
 @pytest.mark.parametrize("arm", ["grpo", "tis", "sc+mis", "sc+mis+topp"])
 def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
-    """The chunked scoring of the sampled positions (train.trainer.token_scores) and the loss
+    """The chunked scoring of the sampled positions (train.scoring.token_scores) and the loss
     over them alone (arm_loss) give the log-probs and the entropy of the full-vocabulary
     log-softmax of every position bit for bit, its gradients bit for bit but the output head's
     (to BF16 rounding), the loss and its metrics to float rounding (summed in another order);

@@ -43,7 +43,7 @@ from mismatch.runtime import torch_threads
 
 from .batch import Batch
 from .config import TrainConfig
-from .rundir import check_ranks
+from .rundir import check_ranks, save_checkpoint
 from .trainer import Trainer, arm_loss, step_metrics
 
 __all__ = ["setup", "shard_rows", "ShardedTrainer"]
@@ -82,7 +82,7 @@ class ShardedTrainer(Trainer):
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.cfg = cfg
+        self.cfg, self.compute_dtype = cfg, compute_dtype
         self.threads = None  # the process's count (a rank is a process of its own)
         self.model = copy.deepcopy(model).float()
         self.model.train()
@@ -158,6 +158,20 @@ class ShardedTrainer(Trainer):
         set_state_dict(self.model, self.opt, model_state_dict=state["master"],
                        optim_state_dict=state["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
+
+    def published(self) -> dict[str, torch.Tensor]:
+        """The weights samplers load: the whole master cast to the compute dtype (a collective;
+        every rank gets them)."""
+        return {n: v.to(self.compute_dtype) for n, v in self.full_state_dict().items()}
+
+    def save(self, out, step: int, next_unit: int,
+             older: dict[int, dict[str, torch.Tensor]] | None = None):
+        """The checkpoint of `step`, written by rank 0 (a collective: the state is gathered
+        from every rank); None on the other ranks."""
+        state = self.state()
+        if dist.get_rank() != 0:
+            return None
+        return save_checkpoint(out, step, state, next_unit, self.cfg, older)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole FP32 master, gathered (a collective: every rank must call it)."""

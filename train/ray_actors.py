@@ -207,10 +207,8 @@ class ShardedTrainerActor(_Publisher):
         return res if self.rank == 0 else None
 
     def published(self):
-        state = self.trainer.full_state_dict()  # a collective: every rank
-        if self.rank != 0:
-            return None
-        return self._publish({n: v.to(torch.bfloat16) for n, v in state.items()})
+        weights = self.trainer.published()  # a collective: every rank
+        return self._publish(weights) if self.rank == 0 else None
 
     def load(self, state: dict[str, Any]) -> None:
         self.trainer.load(state)
