@@ -46,8 +46,11 @@ def main() -> None:
     import torch
 
     from mismatch.zoo import load_model, load_tokenizer
-    from mismatch.train.ray_backend import RayBackend, start_ray
-    from mismatch.train.trainer import preset_config, read_metrics, run
+    from mismatch.train.config import preset_config
+    from mismatch.train.loop import run
+    from mismatch.train.ray_backend import RayBackend
+    from mismatch.train.ray_session import start_ray
+    from mismatch.train.rundir import read_metrics
 
     model, tok = load_model(dtype="bfloat16"), load_tokenizer()
     cfg = dict(steps=args.steps, eval_tasks=0, checkpoint_every=100, tasks="arith,table")
@@ -89,7 +92,7 @@ def main() -> None:
     secs = [ray.get(reader.read.remote([ref]))[0] for _ in range(5)]
     fetch = statistics.median(secs)
     ray_run = args.out / "ray" / "1-1"
-    from mismatch.train.trainer import Unit  # noqa: F401  (pickled units name it)
+    from mismatch.train.batch import Unit  # noqa: F401  (pickled units name it)
     from mismatch.train.rollout import Trajectory  # noqa: F401
 
     recs = read_metrics(ray_run / "metrics.jsonl")
@@ -122,7 +125,8 @@ def main() -> None:
 def _one_unit(model, tok):
     """One unit (8 episodes) sampled locally, as a sampler actor returns it."""
     from mismatch.train.fleet import fleet
-    from mismatch.train.trainer import preset_config, sample_units, split_units
+    from mismatch.train.config import preset_config
+    from mismatch.train.sampling import sample_units, split_units
 
     cfg = preset_config("mixed", tasks="arith,table")
     group = fleet("mixed")[0]

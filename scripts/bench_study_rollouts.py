@@ -17,7 +17,7 @@ import torch
 from mismatch.zoo import load_model, load_tokenizer
 from mismatch.train.fleet import Router, fleet
 from mismatch.train.rollout import COMPUTE_DTYPES, run_episodes
-from mismatch.train.trainer import task_of
+from mismatch.train.batch import task_of
 
 
 def main() -> None:

@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _one(steps: int, workers: int, threads: int, sync: bool, model, tok) -> dict:
-    from mismatch.train.trainer import preset_config, read_metrics, run
+    from mismatch.train.config import preset_config
+    from mismatch.train.loop import run
+    from mismatch.train.rundir import read_metrics
 
     cfg = preset_config("mixed", steps=steps, workers=workers, threads=threads, sync=sync,
                         eval_tasks=0, checkpoint_every=steps)

@@ -45,7 +45,7 @@ FLOORS = ("fp32", "bf16-autocast", "bf16")
 
 
 def _config(arm: str):
-    from mismatch.train.trainer import preset_config
+    from mismatch.train.config import preset_config
 
     return preset_config("homogeneous", correction=arm, sync=True, prompts_per_step=PROMPTS,
                          samples_per_prompt=SAMPLES, tasks=",".join(TASKS), eval_tasks=0)
@@ -58,7 +58,7 @@ def sample_units(path: Path) -> dict:
     from mismatch.zoo import load_model, load_tokenizer
     from mismatch.train.fleet import fleet
     from mismatch.train.rollout import run_episodes
-    from mismatch.train.trainer import Unit, task_of
+    from mismatch.train.batch import Unit, task_of
 
     torch.set_num_threads(1)
     cfg = _config("grpo")
@@ -87,7 +87,7 @@ def _floor(units, dtype: str):
     import torch.nn.functional as F
 
     from mismatch.zoo import load_model, load_tokenizer
-    from mismatch.train.trainer import build_batch
+    from mismatch.train.batch import build_batch
 
     tok = load_tokenizer()
     batch = build_batch(units, 0, tok.pad_token_id)
@@ -113,7 +113,8 @@ def _trainer(units, arm: str, lockstep: bool):
     import torch
 
     from mismatch.zoo import load_model, load_tokenizer
-    from mismatch.train.trainer import Trainer, build_batch
+    from mismatch.train.batch import build_batch
+    from mismatch.train.trainer import Trainer
 
     tok = load_tokenizer()
     trainer = Trainer(load_model(dtype="bfloat16"), _config(arm))

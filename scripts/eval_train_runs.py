@@ -4,7 +4,7 @@ distribution at temperature 1, and the top-p nucleus the top-p arms sample from)
     python scripts/eval_train_runs.py RUN_DIR [RUN_DIR ...] [--tasks 64] [--samples 4]
 
 The base policy is the embedded model; the final one RUN_DIR/final. Same tasks and seeds for all
-(train.trainer.evaluate), so the differences are the policies'.
+(train.evaluation.evaluate), so the differences are the policies'.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def main() -> None:
     import torch
 
     from mismatch.zoo import load_model, load_tokenizer
-    from mismatch.train.trainer import TrainConfig, evaluate
+    from mismatch.train.config import TrainConfig
+    from mismatch.train.evaluation import evaluate
 
     torch.set_num_threads(2)
     tok = load_tokenizer()

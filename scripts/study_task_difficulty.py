@@ -10,7 +10,7 @@ import torch
 from mismatch.zoo import load_model, load_tokenizer
 from mismatch.train.fleet import fleet
 from mismatch.train.rollout import run_episodes
-from mismatch.train.trainer import task_of
+from mismatch.train.batch import task_of
 torch.set_num_threads(2)
 tok = load_tokenizer(); m = load_model(dtype="bfloat16").eval()
 g = fleet("homogeneous")[0]

@@ -100,7 +100,9 @@ def _kill_when_written(marker: Path) -> None:
 def test_training_through_sampler_processes_matches_in_process_sampling(tmp_path):
     """Two sync steps on the mixed fleet: the same episodes, losses and metrics whether the
     samplers run in this process (one thread) or in two worker processes."""
-    from mismatch.train.trainer import TrainConfig, read_metrics, run
+    from mismatch.train.config import TrainConfig
+    from mismatch.train.loop import run
+    from mismatch.train.rundir import read_metrics
 
     records = {}
     for n in (0, 2):

@@ -13,7 +13,9 @@ import torch
 from mismatch.zoo import load_model, load_tokenizer
 from mismatch.train.fleet import fleet
 from mismatch.train.rollout import run_episodes
-from mismatch.train.trainer import TrainConfig, Trainer, Unit, build_batch, task_of
+from mismatch.train.batch import Unit, build_batch, task_of
+from mismatch.train.config import TrainConfig
+from mismatch.train.trainer import Trainer
 
 
 def _free_port() -> int:

@@ -3,10 +3,13 @@ expected update of score centering, masking, top-p renormalization, non-finite s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from mismatch.train.loss import ARMS, group_advantages, policy_loss, renormalize_over_support
+from mismatch.train.loss import (ARMS, arm_named, group_advantages, policy_loss,
+                                  renormalize_over_support)
 
 # Tolerances against the float64 reference. float64 inputs follow the same formula in another
 # order of operations: agreement to ~1e-15 relative, so 1e-10 leaves room for sums over K.
@@ -78,14 +81,15 @@ def _batch(seed=0, B=3, T=5, V=8, K=5, p=0.8, shift=0.6, dtype=torch.float64):
                 y=y.squeeze(-1), idx=idx, support=support, adv=adv.to(dtype), mask=mask)
 
 
-def _run(arm, d, **kw):
+def _run(arm, d, **params):
+    """policy_loss of arm `arm` (a name; `params` override its parameters) on batch `d`."""
     log_pi = torch.log_softmax(d["logits"], -1)
     log_mu = torch.log_softmax(d["sampler_logits"], -1)
     y = d["y"].unsqueeze(-1)
     return policy_loss(log_pi.gather(-1, y).squeeze(-1), log_mu.gather(-1, y).squeeze(-1),
-                       d["adv"], d["mask"], arm=arm, cand_logp=log_pi.gather(-1, d["idx"]),
-                       cand_sampler_logp=log_mu.gather(-1, d["idx"]), support_mask=d["support"],
-                       **kw)
+                       d["adv"], d["mask"], arm=replace(arm_named(arm), **params),
+                       cand_logp=log_pi.gather(-1, d["idx"]),
+                       cand_sampler_logp=log_mu.gather(-1, d["idx"]), support_mask=d["support"])
 
 
 def _grad(loss, leaf, retain_graph=False):
@@ -131,7 +135,7 @@ def _expected_update(arm, theta, mu, cands, support=None, advantage=1.7):
         log_pi = torch.log_softmax(theta, -1)
         loss, _ = policy_loss(log_pi[y].view(1, 1), mu[y].log().view(1, 1),
                               torch.tensor([advantage], dtype=torch.float64),
-                              torch.ones(1, 1, dtype=torch.bool), arm=arm,
+                              torch.ones(1, 1, dtype=torch.bool), arm=ARMS[arm],
                               cand_logp=log_pi[cands].view(1, 1, -1),
                               cand_sampler_logp=mu[cands].log().view(1, 1, -1),
                               support_mask=supp.view(1, 1, -1))
@@ -195,7 +199,7 @@ def test_mis_out_of_range_tokens_get_zero_gradient(arm):
     sampler_logp = torch.where(sampler_logp - logp.detach() > 3, logp.detach() - 0.1, sampler_logp)
     sampler_logp[0, 1] = logp.detach()[0, 1] - 3.0      # ratio e^3 ≈ 20 > 5
     sampler_logp[1, 0] = logp.detach()[1, 0] + 1.0      # ratio e^-1 ≈ 0.37 < 0.5
-    loss, m = policy_loss(logp, sampler_logp, d["adv"], d["mask"], arm=arm,
+    loss, m = policy_loss(logp, sampler_logp, d["adv"], d["mask"], arm=ARMS[arm],
                           cand_logp=log_pi.gather(-1, d["idx"]).detach(),
                           cand_sampler_logp=log_mu.gather(-1, d["idx"]))
     g = _grad(loss, logp)
@@ -232,8 +236,9 @@ def test_non_finite_sampler_logprobs_leave_mask_and_denominator(arm):
     bad[0, 0] = bad[1, 1] = bad[2, 2] = True
     broken = sampler_logp.clone()
     broken[0, 0], broken[1, 1], broken[2, 2] = float("nan"), float("inf"), float("-inf")
-    loss, m = policy_loss(logp, broken, d["adv"], d["mask"], arm=arm, **cand)
-    clean, m_clean = policy_loss(logp, sampler_logp, d["adv"], d["mask"] & ~bad, arm=arm, **cand)
+    loss, m = policy_loss(logp, broken, d["adv"], d["mask"], arm=ARMS[arm], **cand)
+    clean, m_clean = policy_loss(logp, sampler_logp, d["adv"], d["mask"] & ~bad, arm=ARMS[arm],
+                                 **cand)
     torch.testing.assert_close(loss, clean, rtol=1e-14, atol=0)
     g = _grad(loss, d["logits"], retain_graph=True)  # both losses share the log_softmax graph
     g_clean = _grad(clean, d["logits"])
@@ -253,8 +258,8 @@ def test_padding_candidates_change_nothing(arm):
     pad = torch.full(d["idx"].shape[:2] + (1,), float("nan"), dtype=torch.float64)
     padded, _ = policy_loss(
         log_pi.gather(-1, y).squeeze(-1), log_mu.gather(-1, y).squeeze(-1), d["adv"], d["mask"],
-        arm=arm, cand_logp=torch.cat([log_pi.gather(-1, d["idx"]), torch.full_like(pad, -1e30)],
-                                     -1),
+        arm=ARMS[arm],
+        cand_logp=torch.cat([log_pi.gather(-1, d["idx"]), torch.full_like(pad, -1e30)], -1),
         cand_sampler_logp=torch.cat([log_mu.gather(-1, d["idx"]), pad], -1),
         support_mask=torch.cat([d["support"], torch.ones_like(pad, dtype=torch.bool)], -1))
     torch.testing.assert_close(padded, loss, rtol=1e-14, atol=0)
@@ -295,6 +300,17 @@ def test_unknown_arm_and_missing_candidates_raise():
         _run("ppo", d)
     logp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="needs cand_logp, cand_sampler_logp"):
-        policy_loss(logp, logp, torch.zeros(2), torch.ones(2, 3), arm="sc")
+        policy_loss(logp, logp, torch.zeros(2), torch.ones(2, 3), arm=ARMS["sc"])
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(logp, logp, torch.zeros(3), torch.ones(2, 3), arm="grpo")
+        policy_loss(logp, logp, torch.zeros(3), torch.ones(2, 3), arm=ARMS["grpo"])
+    with pytest.raises(TypeError, match="must be an Arm"):
+        policy_loss(logp, logp, torch.zeros(2), torch.ones(2, 3), arm="grpo")
+
+
+def test_every_arm_states_its_parameters():
+    """IcePop is MIS under another name: the same row, stated in full."""
+    from dataclasses import asdict
+
+    assert {k: v for k, v in asdict(ARMS["icepop"]).items() if k != "name"} == \
+        {k: v for k, v in asdict(ARMS["mis"]).items() if k != "name"}
+    assert all(a.name == n for n, a in ARMS.items())

@@ -20,10 +20,13 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'mismatch[ray]')")
 
-from mismatch.train.ray_backend import RayBackend, sampler_resources, start_ray  # noqa: E402
+from mismatch.train.config import preset_config  # noqa: E402
 from mismatch.train.fleet import fleet  # noqa: E402
-from mismatch.train.trainer import (latest_checkpoint, preset_config, read_metrics,  # noqa: E402
-                           run)
+from mismatch.train.loop import run  # noqa: E402
+from mismatch.train.ray_actors import sampler_resources  # noqa: E402
+from mismatch.train.ray_backend import RayBackend  # noqa: E402
+from mismatch.train.ray_session import start_ray  # noqa: E402
+from mismatch.train.rundir import latest_checkpoint, read_metrics  # noqa: E402
 
 # sync on the one-group fleet: step s samples units [sP, (s+1)P) with version s, one batch —
 # the same computation on both backends. Seed 1 with 4 prompts: the first step holds a group
@@ -135,7 +138,7 @@ def test_killed_sampler_actor_is_restarted_and_nothing_is_lost(ray_session, loca
 def test_a_dead_trainer_ends_the_run_resumably(ray_session, local_sync, tmp_path, model, tok):
     import ray
 
-    from mismatch.train.ray_backend import BackendError
+    from mismatch.train.ray_actors import BackendError
 
     backend = RayBackend()
     out = tmp_path / "trainer-killed"

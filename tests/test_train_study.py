@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from mismatch.train.study import STUDY_PRESETS, StudyConfig, cells, run_state
+from mismatch.train.study import STUDY_PRESETS, cells, run_state
 from mismatch.train.study_report import summarize_run
-from mismatch.train.trainer import latest_checkpoint, read_metrics
+from mismatch.train.rundir import latest_checkpoint, read_metrics
 
 CLI = [sys.executable, "-m", "mismatch.cli"]
 
@@ -38,7 +38,7 @@ def ci_study(tmp_path_factory):
 def test_ci_grid_runs_each_cell_as_a_process_and_writes_the_report(ci_study):
     out, report, proc = ci_study
     assert proc.returncode == 0, proc.stderr
-    cfg = StudyConfig(**STUDY_PRESETS["ci"])
+    cfg = STUDY_PRESETS["ci"]()
     names = [c.name for c in cells(cfg)]
     assert names == ["L2-k2-grpo-s0", "L2-k2-sc_mis-s0", "L2-sync-grpo-s0"]
     assert "3 run(s) finished, 0 already done" in proc.stdout

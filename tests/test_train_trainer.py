@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from mismatch.probes.monitor import MonitorConfig
-from mismatch.train.trainer import (Publisher, TrainConfig, Unit, build_batch, latest_checkpoint,
-                           preset_config, read_metrics, run)
+from mismatch.train.batch import Unit, build_batch
+from mismatch.train.config import TrainConfig, preset_config
+from mismatch.train.loop import run
+from mismatch.train.pipeline import Publisher
+from mismatch.train.rundir import latest_checkpoint, read_metrics
 
 REQUIRED = ("step", "reward", "kl", "format_error_rate", "mis_masked_fraction", "sc_tail_ratio",
             "entropy", "grad_norm", "staleness_mean", "tokens_per_s", "group_kl")
@@ -56,6 +59,26 @@ def test_metrics_log_has_every_required_field_once_per_step(async_run):
         assert max(int(k) for k in r["staleness_tokens"]) == r["staleness_max"]
     assert (out / "final" / "config.json").exists() and (out / "config.json").exists()
     assert latest_checkpoint(out).name == f"step-{cfg.steps:06d}"
+
+
+# metrics.jsonl's keys in order (record.StepRecord.to_json), for an arm that centers and replays
+# top-p (its head and support masses) on the local backend
+RECORD_KEYS = [
+    "step", "reward", "kl", "kl_k1", "format_error_rate", "mis_masked_fraction", "sc_tail_ratio",
+    "entropy", "grad_norm", "staleness_mean", "staleness_max", "staleness_tokens",
+    "tokens_per_s", "response_length", "group_kl", "group_reward", "group_tokens_per_s",
+    "end_reasons", "loss", "ratio_p05", "ratio_p50", "ratio_p95", "n_episodes",
+    "sampled_tokens", "units", "units_claimed", "stale_units_dropped", "step_seconds",
+    "trainer_wait_seconds", "train_seconds", "trainer_idle_share", "head_mass_sampler",
+    "support_mass_sampler", "support_mass_trainer", "queue_depth", "backend",
+    "sampler_restarts", "requeued_units"]
+
+
+def test_metrics_records_keep_their_keys_in_order(async_run):
+    out, cfg, _ = async_run
+    assert cfg.correction == "sc+mis+topp"
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        assert list(json.loads(line)) == RECORD_KEYS
 
 
 def test_units_are_each_consumed_once(async_run):
@@ -129,7 +152,7 @@ def test_publisher_is_monotonic():
 def test_batch_places_candidates_and_advantages(async_run, model, tok):
     from mismatch.train.fleet import fleet
     from mismatch.train.rollout import run_episodes
-    from mismatch.train.trainer import task_of
+    from mismatch.train.batch import task_of
 
     group = fleet("mixed")[3]
     eps = run_episodes(model, tok, [task_of(0, 0)] * 2 + [task_of(1, 0)] * 2, group, version=2,
@@ -265,7 +288,7 @@ def test_config_checks():
 
 
 def test_task_mix_takes_kinds_in_turn():
-    from mismatch.train.trainer import task_of
+    from mismatch.train.batch import task_of
 
     kinds = ("arith", "table")
     assert [task_of(u, 0, kinds).kind for u in range(4)] == ["arith", "table"] * 2
@@ -278,7 +301,8 @@ def test_task_mix_takes_kinds_in_turn():
 def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok, arm):
     from mismatch.train.fleet import fleet
     from mismatch.train.rollout import run_episodes
-    from mismatch.train.trainer import Trainer, task_of
+    from mismatch.train.batch import task_of
+    from mismatch.train.trainer import Trainer
 
     group = fleet("mixed")[5]  # a BF16 group
     eps = run_episodes(model, tok, [task_of(1, 0, ("arith",))] * 4, group, version=0,
@@ -329,7 +353,7 @@ def _old_batch_loss(model, b, arm, attention):
         kwargs = dict(cand_logp=cand, cand_sampler_logp=b.cand_sampler_logp)
         if ARMS[arm].top_p:
             kwargs["support_mask"] = b.support
-    loss, m = policy_loss(logp, b.sampler_logp, b.advantages, mask, arm=arm, **kwargs)
+    loss, m = policy_loss(logp, b.sampler_logp, b.advantages, mask, arm=ARMS[arm], **kwargs)
     return loss, m, -(lsm.exp() * lsm).sum(-1).detach(), logp, cand
 
 
@@ -337,7 +361,7 @@ def _old_batch_loss(model, b, arm, attention):
 def padded_batch(model, tok):
     from mismatch.train.fleet import fleet
     from mismatch.train.rollout import run_episodes
-    from mismatch.train.trainer import task_of
+    from mismatch.train.batch import task_of
 
     group = fleet("mixed")[5]
     eps = run_episodes(model, tok, [task_of(2, 0, ("arith",))] * 4, group, version=0,
@@ -353,13 +377,14 @@ def padded_batch(model, tok):
 
 @pytest.mark.parametrize("arm", ["grpo", "tis", "sc+mis", "sc+mis+topp"])
 def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
-    """The chunked scoring of the sampled positions (train.trainer.token_scores) and the loss
+    """The chunked scoring of the sampled positions (train.scoring.token_scores) and the loss
     over them alone (arm_loss) give the log-probs and the entropy of the full-vocabulary
     log-softmax of every position bit for bit, its gradients bit for bit but the output head's
     (to BF16 rounding), the loss and its metrics to float rounding (summed in another order);
     the unmasked forward of a right-padded batch gives the masked forward's loss bit for bit
     and its gradients to BF16 rounding (the attention backward's summation order)."""
-    from mismatch.train.trainer import batch_loss, token_scores
+    from mismatch.train.scoring import token_scores
+    from mismatch.train.trainer import batch_loss
 
     b = padded_batch
     net = copy.deepcopy(model).train()

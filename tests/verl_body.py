@@ -115,7 +115,7 @@ def error(fn) -> str:
 def main() -> None:
     from omegaconf import OmegaConf
 
-    from mismatch.train.loss import policy_loss
+    from mismatch.train.loss import ARMS, policy_loss
     d = inputs()
     out: dict = {"registered_by_import_verl": "mismatch.integrations.verl" in sys.modules,
                  "verl_version": verl.__version__, "arms": {}}
@@ -126,7 +126,7 @@ def main() -> None:
         loss, metrics, grad, kw = verl_call(d, name)
         own, own_metrics = policy_loss(
             kw["log_prob"].detach(), kw["old_log_prob"], kw["advantages"], kw["response_mask"],
-            arm=arm, cand_logp=kw.get("cand_log_prob"),
+            arm=ARMS[arm], cand_logp=kw.get("cand_log_prob"),
             cand_sampler_logp=kw.get("rollout_cand_log_probs"),
             support_mask=kw.get("rollout_support_mask"))
         ref, ref_grad = reference(d, arm)

@@ -19,6 +19,12 @@ MASTER_ADDR, MASTER_PORT), or from Ray actors that set the same variables.
 
 runs one step on a saved batch and writes the full updated master (rank 0): what the tests
 compare with a single-process step.
+
+`ShardedTrainer` is a `trainer.Trainer`: its `step` is the Trainer's one implementation of a
+training step, with the hooks that differ overridden — each rank scores its rows of the batch,
+scales its loss to the global token mean before the backward, clips the sharded gradients, and
+gathers every rank's scores so that the step's metrics are those of the whole batch (the same
+on every rank).
 """
 
 from __future__ import annotations
@@ -32,7 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .trainer import Batch, TrainConfig, batch_loss
+from mismatch.io import atomic_path
+from mismatch.runtime import torch_threads
+
+from .batch import Batch
+from .config import TrainConfig
+from .rundir import check_ranks, save_checkpoint
+from .trainer import Trainer, arm_loss, step_metrics
 
 __all__ = ["setup", "shard_rows", "ShardedTrainer"]
 
@@ -62,14 +74,16 @@ def shard_rows(batch: Batch, rank: int, world: int) -> Batch:
     return replace(batch, **parts)
 
 
-class ShardedTrainer:
-    """FP32 master sharded with FSDP2, AdamW on the shards, loss in `compute_dtype`."""
+class ShardedTrainer(Trainer):
+    """FP32 master sharded with FSDP2, AdamW on the shards, loss in `compute_dtype`; `step`
+    takes the whole batch (every rank the same) and returns the whole batch's metrics."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig,
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.cfg = cfg
+        self.cfg, self.compute_dtype = cfg, compute_dtype
+        self.threads = None  # the process's count (a rank is a process of its own)
         self.model = copy.deepcopy(model).float()
         self.model.train()
         # buffers (the rotary frequencies) in the compute dtype, as the single-process trainer's
@@ -86,12 +100,19 @@ class ShardedTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
                                      weight_decay=0.0)
 
-    def step(self, batch: Batch, details: bool = False):
-        """One step on this rank's rows (`shard_rows`); returns the global loss, gradient norm
-        and token count (the same on every rank); with `details`, also this rank's
-        (log π of its tokens [b, T], of their candidates [b, T, K], entropy [b, T-1])."""
+    # Trainer.step's hooks
+
+    def _loss_model(self) -> torch.nn.Module:
+        return self.model
+
+    def _rows(self, batch: Batch) -> Batch:
+        return shard_rows(batch, dist.get_rank(), dist.get_world_size())
+
+    def _backward(self, loss: torch.Tensor, m: dict[str, torch.Tensor]) -> float:
+        """Scale this rank's token mean by (its tokens × world / global tokens): the gradient
+        FSDP2 averages over ranks is then that of the global token mean. Returns the global
+        loss (the same on every rank)."""
         world = dist.get_world_size()
-        loss, m, ent, logp, cand, _ = batch_loss(self.model, batch, self.cfg.correction)
         local = torch.tensor([float(m["valid_tokens"]), 0.0])
         local[1] = loss.detach().float() * local[0]
         total = local.clone()
@@ -99,17 +120,26 @@ class ShardedTrainer:
         tokens = float(total[0])
         scale = local[0] * world / max(tokens, 1.0)
         (loss * scale).backward()
+        return float(total[1]) / max(tokens, 1.0)
+
+    def _apply_gradients(self) -> torch.Tensor:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         if torch.isfinite(grad_norm):
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        out = {"loss": float(total[1]) / max(tokens, 1.0), "grad_norm": float(grad_norm),
-               "valid_tokens": tokens}
-        if not details:
-            return out
-        return out, (logp.detach(), cand.detach(), ent)
+        return grad_norm
+
+    def _metrics(self, m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Tensor,
+                 batch: Batch, mask: torch.Tensor) -> dict[str, Any]:
+        """Every rank's scores gathered (rows in rank order: the batch's), and the metrics of
+        the whole batch computed from them as one process would."""
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (logp.detach(), cand.detach(), ent))
+        logp, cand, ent = (torch.cat([p[i] for p in parts]) for i in range(3))
+        _, m, mask = arm_loss(logp, cand, batch, self.cfg.correction)
+        return step_metrics(m, ent, logp, cand, batch, mask)
 
     def state(self) -> dict[str, Any]:
         """The whole FP32 master and AdamW state (keyed by parameter name), gathered to CPU on
@@ -124,12 +154,24 @@ class ShardedTrainer:
         """Restore a checkpoint written by `state` (every rank gets the whole state)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        from .trainer import check_ranks
-
         check_ranks(state, dist.get_world_size())
         set_state_dict(self.model, self.opt, model_state_dict=state["master"],
                        optim_state_dict=state["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
+
+    def published(self) -> dict[str, torch.Tensor]:
+        """The weights samplers load: the whole master cast to the compute dtype (a collective;
+        every rank gets them)."""
+        return {n: v.to(self.compute_dtype) for n, v in self.full_state_dict().items()}
+
+    def save(self, out, step: int, next_unit: int,
+             older: dict[int, dict[str, torch.Tensor]] | None = None):
+        """The checkpoint of `step`, written by rank 0 (a collective: the state is gathered
+        from every rank); None on the other ranks."""
+        state = self.state()
+        if dist.get_rank() != 0:
+            return None
+        return save_checkpoint(out, step, state, next_unit, self.cfg, older)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole FP32 master, gathered (a collective: every rank must call it)."""
@@ -141,26 +183,25 @@ class ShardedTrainer:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="One FSDP2 trainer step on a saved batch.")
-    ap.add_argument("--batch", required=True, help="torch.save'd train.trainer.Batch")
+    ap.add_argument("--batch", required=True, help="torch.save'd train.batch.Batch")
     ap.add_argument("--out", required=True, help="where rank 0 writes the updated master")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--correction", default="sc+mis")
     ap.add_argument("--compute-dtype", default="bf16", choices=("bf16", "fp32"))
     args = ap.parse_args(argv)
     rank, world = setup()
-    torch.set_num_threads(1)
     from mismatch.zoo import load_model
 
-    batch = torch.load(args.batch, weights_only=False)
-    cfg = TrainConfig(fleet="homogeneous", correction=args.correction, lr=args.lr)
-    dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32
-    trainer = ShardedTrainer(load_model(dtype="float32"), cfg, compute_dtype=dtype)
-    metrics = trainer.step(shard_rows(batch, rank, world))
-    state = trainer.full_state_dict()
+    with torch_threads(1):  # each rank a process on one core
+        batch = torch.load(args.batch, weights_only=False)
+        cfg = TrainConfig(fleet="homogeneous", correction=args.correction, lr=args.lr)
+        dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32
+        trainer = ShardedTrainer(load_model(dtype="float32"), cfg, compute_dtype=dtype)
+        metrics = trainer.step(batch)
+        state = trainer.full_state_dict()
     if rank == 0:
-        tmp = f"{args.out}.tmp-{os.getpid()}"
-        torch.save({"master": state, "metrics": metrics, "world": world}, tmp)
-        os.replace(tmp, args.out)
+        with atomic_path(args.out) as tmp:
+            torch.save({"master": state, "metrics": metrics, "world": world}, tmp)
     dist.barrier()
     dist.destroy_process_group()
 

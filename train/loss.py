@@ -42,7 +42,7 @@ import torch
 
 from mismatch.metrics import MIS_HIGH, MIS_LOW, kl_estimators
 
-__all__ = ["Arm", "ARMS", "policy_loss", "group_advantages", "renormalize_over_support",
+__all__ = ["Arm", "ARMS", "arm_named", "policy_loss", "group_advantages", "renormalize_over_support",
            "sc_tail_ratio"]
 
 _MAX_LOG_RATIO = 20.0  # keeps exp(r) finite for pathological tokens (e^20 ≈ 4.9e8)
@@ -51,33 +51,79 @@ _MIN_TAIL_MASS = 1e-6  # a tail below this is float noise: no tail (α = 0, ρ r
 _QUANTILES = (0.05, 0.5, 0.95)
 
 
+_TIS_CAP = 2.0  # truncated IS's cap C: a token weighs at most twice its sampled share
+
+
 @dataclass(frozen=True, kw_only=True)
 class Arm:
-    """One correction arm of the study."""
+    """One correction arm of the study, with every parameter its loss uses."""
 
+    name: str
+    """the arm's name (the key of ARMS; `--correction`)"""
     weight: str
-    """token weight w: "one", "mis" (x inside [low, high], else 0) or "tis" (min(x, C))"""
-    centered: bool = False
+    """token weight w: "one", "mis" (x inside [mis_low, mis_high], else 0) or "tis"
+    (min(x, tis_cap))"""
+    centered: bool
     """score centering over the candidate set"""
-    top_p: bool = False
+    top_p: bool
     """renormalize π and μ over the replayed top-p support"""
+    mis_low: float
+    """MIS band's lower end: a "mis" weight zeroes ratios below it; every arm reports the
+    fraction of tokens outside [mis_low, mis_high] (`mis_masked_fraction`)"""
+    mis_high: float
+    """MIS band's upper end"""
+    tis_cap: float
+    """truncated IS's cap C (the "tis" weight)"""
 
     def __post_init__(self):
         if self.weight not in ("one", "mis", "tis"):
             raise ValueError(f"weight must be one, mis or tis, got {self.weight!r}")
+        if not 0 <= self.mis_low < self.mis_high:
+            raise ValueError(f"the MIS band needs 0 <= low < high, got [{self.mis_low}, "
+                             f"{self.mis_high}]")
+        if not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
 
 
-ARMS: dict[str, Arm] = {
-    "grpo": Arm(weight="one"),
-    "mis": Arm(weight="mis"),
-    "icepop": Arm(weight="mis"),
-    "tis": Arm(weight="tis"),
-    "sc": Arm(weight="one", centered=True),
-    "sc+mis": Arm(weight="mis", centered=True),
-    "sc+tis": Arm(weight="tis", centered=True),
-    "topp": Arm(weight="one", top_p=True),
-    "sc+mis+topp": Arm(weight="mis", centered=True, top_p=True),
-}
+def _registry(*arms: Arm) -> dict[str, Arm]:
+    out: dict[str, Arm] = {}
+    for arm in arms:
+        if arm.name in out:
+            raise ValueError(f"arm {arm.name!r} registered twice")
+        out[arm.name] = arm
+    return out
+
+
+# every arm states its band and cap; today all share MIS_LOW, MIS_HIGH and _TIS_CAP (IcePop is
+# MIS under another name: the same token mask over the same band)
+ARMS: dict[str, Arm] = _registry(
+    Arm(name="grpo", weight="one", centered=False, top_p=False,
+        mis_low=MIS_LOW, mis_high=MIS_HIGH, tis_cap=_TIS_CAP),
+    Arm(name="mis", weight="mis", centered=False, top_p=False,
+        mis_low=MIS_LOW, mis_high=MIS_HIGH, tis_cap=_TIS_CAP),
+    Arm(name="icepop", weight="mis", centered=False, top_p=False,
+        mis_low=MIS_LOW, mis_high=MIS_HIGH, tis_cap=_TIS_CAP),
+    Arm(name="tis", weight="tis", centered=False, top_p=False,
+        mis_low=MIS_LOW, mis_high=MIS_HIGH, tis_cap=_TIS_CAP),
+    Arm(name="sc", weight="one", centered=True, top_p=False,
+        mis_low=MIS_LOW, mis_high=MIS_HIGH, tis_cap=_TIS_CAP),
+    Arm(name="sc+mis", weight="mis", centered=True, top_p=False,
+        mis_low=MIS_LOW, mis_high=MIS_HIGH, tis_cap=_TIS_CAP),
+    Arm(name="sc+tis", weight="tis", centered=True, top_p=False,
+        mis_low=MIS_LOW, mis_high=MIS_HIGH, tis_cap=_TIS_CAP),
+    Arm(name="topp", weight="one", centered=False, top_p=True,
+        mis_low=MIS_LOW, mis_high=MIS_HIGH, tis_cap=_TIS_CAP),
+    Arm(name="sc+mis+topp", weight="mis", centered=True, top_p=True,
+        mis_low=MIS_LOW, mis_high=MIS_HIGH, tis_cap=_TIS_CAP),
+)
+"""The correction arms by name (`--correction`)."""
+
+
+def arm_named(name: str) -> Arm:
+    """ARMS[name], or a ValueError listing the arms."""
+    if name not in ARMS:
+        raise ValueError(f"unknown arm {name!r}; arms: {', '.join(ARMS)}")
+    return ARMS[name]
 
 
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -142,11 +188,10 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return (x * m).sum() / m.sum().clamp_min(1)
 
 
-def _check(logp, sampler_logp, advantages, mask, arm_name, cand_logp, cand_sampler_logp,
-           support_mask) -> Arm:
-    if arm_name not in ARMS:
-        raise ValueError(f"unknown arm {arm_name!r}; arms: {', '.join(ARMS)}")
-    arm = ARMS[arm_name]
+def _check(logp, sampler_logp, advantages, mask, arm, cand_logp, cand_sampler_logp,
+           support_mask) -> None:
+    if not isinstance(arm, Arm):
+        raise TypeError(f"arm must be an Arm (ARMS[name]), got {arm!r}")
     if logp.dim() != 2 or sampler_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(f"logp, sampler_logp, mask must all be [B, T]: got {tuple(logp.shape)}, "
                          f"{tuple(sampler_logp.shape)}, {tuple(mask.shape)}")
@@ -159,23 +204,23 @@ def _check(logp, sampler_logp, advantages, mask, arm_name, cand_logp, cand_sampl
     if arm.centered or arm.top_p:
         missing = [k for k, v in needed.items() if v is None]
         if missing:
-            raise ValueError(f"arm {arm_name!r} needs {', '.join(missing)}")
+            raise ValueError(f"arm {arm.name!r} needs {', '.join(missing)}")
         shapes = {k: tuple(v.shape) for k, v in needed.items()}
         if any(len(s) != 3 or s[:2] != tuple(logp.shape) for s in shapes.values()) \
                 or len(set(shapes.values())) != 1:
             raise ValueError(f"candidate tensors must be [B, T, K] with B, T = "
                              f"{tuple(logp.shape)}, got {shapes}")
-    return arm
 
 
 def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, *, arm: str, cand_logp: torch.Tensor | None = None,
+                mask: torch.Tensor, *, arm: Arm, cand_logp: torch.Tensor | None = None,
                 cand_sampler_logp: torch.Tensor | None = None,
-                support_mask: torch.Tensor | None = None, mis_low: float = MIS_LOW,
-                mis_high: float = MIS_HIGH, tis_cap: float = 2.0
+                support_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one arm (module docstring) and its metrics.
 
+    arm: the correction (ARMS[name], or a `dataclasses.replace` of one with another MIS band or
+    TIS cap).
     logp: [B, T] trainer log π(y), differentiable. sampler_logp: [B, T] sampler log μ(y).
     advantages: [B] or [B, T]. mask: [B, T], 1 = a completion token.
     cand_logp: [B, T, K] trainer log π at the sampler's candidates, differentiable;
@@ -183,18 +228,17 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
     support_mask: [B, T, K] bool, the candidates in the sampler's top-p set (top-p arms).
     Returns (0-dim loss, {name: 0-dim tensor}).
     """
-    spec = _check(logp, sampler_logp, advantages, mask, arm, cand_logp, cand_sampler_logp,
-                  support_mask)
+    _check(logp, sampler_logp, advantages, mask, arm, cand_logp, cand_sampler_logp, support_mask)
     dt = torch.promote_types(logp.dtype, torch.float32)
     valid = mask.bool() & torch.isfinite(sampler_logp)                       # (B, T)
     slp = torch.where(valid, sampler_logp, 0).to(dt)
     lp = logp.to(dt)
     metrics: dict[str, torch.Tensor] = {}
-    if spec.centered or spec.top_p:
+    if arm.centered or arm.top_p:
         cand = torch.isfinite(cand_sampler_logp) & valid.unsqueeze(-1)      # (B, T, K)
         clp = torch.where(cand, cand_logp.to(dt), 0)
         cslp = torch.where(cand, cand_sampler_logp.to(dt), 0)
-    if spec.top_p:
+    if arm.top_p:
         cand = cand & support_mask.bool()
         valid = valid & cand.any(dim=-1)
         cand = cand & valid.unsqueeze(-1)
@@ -209,11 +253,11 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
     lp = torch.where(valid, lp, 0)
 
     def weight(x):
-        return _token_weight(x, spec.weight, mis_low, mis_high, tis_cap)
+        return _token_weight(x, arm.weight, arm.mis_low, arm.mis_high, arm.tis_cap)
 
     ratio = _ratio(lp, slp)                                                  # (B, T) float64
     objective = weight(ratio).to(dt) * lp
-    if spec.centered:
+    if arm.centered:
         pi = torch.where(cand, clp.detach().double().exp(), 0)               # (B, T, K)
         mu = torch.where(cand, cslp.double().exp(), 0)
         head_mu, head_pi = mu.sum(-1), pi.sum(-1)                            # (B, T)
@@ -231,7 +275,7 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
     loss = -(torch.where(valid, adv * objective, 0)).sum() / n_valid.clamp_min(1).to(dt)
 
     kl = kl_estimators(lp.detach(), slp, valid)
-    outside = (ratio < mis_low) | (ratio > mis_high)
+    outside = (ratio < arm.mis_low) | (ratio > arm.mis_high)
     kept = ratio[valid]
     q = (torch.quantile(kept, torch.tensor(_QUANTILES, dtype=kept.dtype)) if kept.numel()
          else torch.full((len(_QUANTILES),), float("nan"), dtype=torch.float64))

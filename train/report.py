@@ -17,7 +17,7 @@ from typing import Any
 
 from mismatch.io import atomic_directory, save_figure
 
-from .trainer import read_metrics
+from .rundir import read_metrics
 
 __all__ = ["write_report", "load_run", "PANELS"]
 

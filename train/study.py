@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from mismatch.io import atomic_path, atomic_write_text
+
 __all__ = ["FLEETS", "ARMS", "StudyConfig", "STUDY_PRESETS", "Cell", "cells", "run_grid",
            "run_state", "build_policy", "export_logs"]
 
@@ -106,22 +108,40 @@ class StudyConfig:
                 "--threads", "1", "--sampler-processes", "0"]  # `jobs` runs share the cores
 
 
-STUDY_PRESETS: dict[str, dict[str, Any]] = {
-    # the study's regime at this scale: a policy with headroom (held-out reward ~0.45 at
-    # temperature 1; `mismatch zoo build --steps 800`), lr 1e-4, 16 prompts × 8 episodes,
-    # 150 steps, forced staleness 8, on-policy controls; held-out reward before, midway, after
-    "full": {"fleets": ("L0", "L2"), "staleness": (8,),
-             "arms": ("grpo", "mis", "sc", "sc+mis", "sc+mis+topp"), "steps": 150, "lr": 1e-4,
-             "tasks": "zoo", "prompts": 16, "samples": 8, "sync_arms": ("grpo", "sc+mis"),
-             "policy_steps": 800, "eval_tasks": 64},
-    # the first grid (reports/study-edge.md): the embedded policy at its ceiling, lr 3e-4,
-    # 4 prompts × 8, 32 steps, staleness 4, three fleets and six arms
-    "edge": {},
-    # CI: one uncorrected and one corrected arm on the mixed fleet, a few small steps
-    "ci": {"fleets": ("L2",), "arms": ("grpo", "sc+mis"), "seeds": (0,), "staleness": (2,),
-           "steps": 3, "prompts": 2, "samples": 4, "checkpoint_every": 2,
-           "sync_arms": ("grpo",), "sync_fleets": ("L2",), "eval_tasks": 2},
-}
+def full() -> StudyConfig:
+    """The study's regime at this scale: a policy with headroom (held-out reward ~0.45 at
+    temperature 1; `mismatch zoo build --steps 800`), lr 1e-4, 16 prompts × 8 episodes, 150
+    steps, forced staleness 8, on-policy controls; held-out reward before, midway, after."""
+    return StudyConfig(fleets=("L0", "L2"), staleness=(8,),
+                       arms=("grpo", "mis", "sc", "sc+mis", "sc+mis+topp"), steps=150, lr=1e-4,
+                       tasks="zoo", prompts=16, samples=8, sync_arms=("grpo", "sc+mis"),
+                       policy_steps=800, eval_tasks=64)
+
+
+def edge() -> StudyConfig:
+    """The first grid (reports/study-edge.md): the embedded policy at its ceiling, lr 3e-4,
+    4 prompts × 8, 32 steps, staleness 4, three fleets and six arms (StudyConfig's defaults)."""
+    return StudyConfig()
+
+
+def ci() -> StudyConfig:
+    """CI: one uncorrected and one corrected arm on the mixed fleet, a few small steps."""
+    return StudyConfig(fleets=("L2",), arms=("grpo", "sc+mis"), seeds=(0,), staleness=(2,),
+                       steps=3, prompts=2, samples=4, checkpoint_every=2, sync_arms=("grpo",),
+                       sync_fleets=("L2",), eval_tasks=2)
+
+
+def _registry(*presets: Callable[[], StudyConfig]) -> dict[str, Callable[[], StudyConfig]]:
+    out: dict[str, Callable[[], StudyConfig]] = {}
+    for fn in presets:
+        if fn.__name__ in out:
+            raise ValueError(f"study preset {fn.__name__!r} registered twice")
+        out[fn.__name__] = fn
+    return out
+
+
+STUDY_PRESETS: dict[str, Callable[[], StudyConfig]] = _registry(full, edge, ci)
+"""`mismatch study --preset` name → the function returning its grid."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +167,7 @@ def cells(cfg: StudyConfig) -> list[Cell]:
 
 
 def _steps_logged(run: Path) -> int:
-    from .trainer import read_metrics
+    from .rundir import read_metrics
 
     recs = read_metrics(run / "metrics.jsonl")
     return recs[-1]["step"] if recs else 0
@@ -155,7 +175,7 @@ def _steps_logged(run: Path) -> int:
 
 def run_state(run: Path, steps: int) -> str:
     """done | resume (a checkpoint to continue from) | fresh (nothing, or nothing worth keeping)"""
-    from .trainer import latest_checkpoint
+    from .rundir import latest_checkpoint
 
     if (run / "final").is_dir() and _steps_logged(run) >= steps:
         return "done"
@@ -202,9 +222,7 @@ class GridResult:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _death_signal() -> Callable[[], None] | None:
@@ -365,12 +383,10 @@ def export_logs(cfg: StudyConfig, out: Path, dest: Path) -> list[str]:
         (dest / cell.name).mkdir(parents=True, exist_ok=True)
         for name in _LOGS:
             if (run / name).is_file():
-                tmp = dest / cell.name / f".{name}.tmp-{os.getpid()}"
-                shutil.copyfile(run / name, tmp)
-                os.replace(tmp, dest / cell.name / name)
+                with atomic_path(dest / cell.name / name) as tmp:
+                    shutil.copyfile(run / name, tmp)
         copied.append(cell.name)
-    tmp = dest / f".study.json.tmp-{os.getpid()}"
-    shutil.copyfile(out / "study.json", tmp)
-    os.replace(tmp, dest / "study.json")
+    with atomic_path(dest / "study.json") as tmp:
+        shutil.copyfile(out / "study.json", tmp)
     return copied
 

@@ -3,11 +3,12 @@ staleness (and one per fleet of on-policy controls), mean over seeds with the mi
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from mismatch.io import save_figure
+
 from .study import FLEETS, Cell, StudyConfig
-from .study_summary import _WINDOW, _panels, _trailing, cell_runs
+from .study_summary import WINDOW, cell_panels, cell_runs, trailing
 
 __all__ = ["plot_study"]
 
@@ -24,10 +25,10 @@ def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = _panels(cfg)
+    panels = cell_panels(cfg)
     names = []
     files = {"accuracy": "reward", "kl": "kl", "format_error_rate": "format"}
-    for key, title, log in (("accuracy", f"training reward ({_WINDOW}-step moving average)",
+    for key, title, log in (("accuracy", f"training reward ({WINDOW}-step moving average)",
                              False),
                             ("kl", "sampler–trainer KL (k3, per token)", True),
                             ("format_error_rate", "episodes ending on format errors", False)):
@@ -41,7 +42,7 @@ def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str
                 n = min(len(r["steps"]) for r in rs)
                 steps = rs[0]["steps"][:n]
                 series = [r[key][:n] if key != "format_error_rate"
-                          else _trailing(r[key])[:n] for r in rs]
+                          else trailing(r[key])[:n] for r in rs]
                 mean = [sum(v) / len(v) for v in zip(*series)]
                 lo = [min(v) for v in zip(*series)]
                 hi = [max(v) for v in zip(*series)]
@@ -58,26 +59,17 @@ def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str
         axes[0][0].set_ylabel(title, fontsize=9)
         fig.suptitle(f"{title}: mean over seeds, band = min–max (emulated samplers)",
                      fontsize=10)
-        names.append(_save(fig, folder / f"{stem}-{files[key]}.png"))
+        names.append(save_figure(fig, folder / f"{stem}-{files[key]}.png"))
     if any(r["heldout"] for r in runs.values()):
         names.append(_heldout_plot(cfg, runs, folder / f"{stem}-heldout.png"))
     return names
-
-
-def _save(fig, final: Path) -> str:
-    from mismatch.io import save_figure
-
-    tmp = final.with_name(f".{final.stem}.tmp-{os.getpid()}.png")  # renamed only when whole
-    save_figure(fig, tmp)
-    os.replace(tmp, final)
-    return final.name
 
 
 def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, dict], final: Path) -> str:
     """Held-out reward before, midway and after, per arm: mean over seeds, min–max bars."""
     import matplotlib.pyplot as plt
 
-    panels = _panels(cfg)
+    panels = cell_panels(cfg)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False,
                              sharey=True)
     points = (("base", 0), ("mid", (cfg.steps + 1) // 2), ("final", cfg.steps))
@@ -105,4 +97,4 @@ def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, dict], final: Path) -> str:
     axes[0][0].set_ylabel("held-out reward (64 tasks × 4, temperature 1)", fontsize=9)
     fig.suptitle("held-out reward before, midway and after: mean over seeds, bars = min–max "
                  "(emulated samplers)", fontsize=10)
-    return _save(fig, final)
+    return save_figure(fig, final)

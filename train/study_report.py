@@ -6,13 +6,14 @@ of every figure are in study_summary.py.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from mismatch.io import atomic_write_text
+
 from .study import ARMS, FLEETS, Cell, StudyConfig, cells
-from .study_summary import (_WINDOW, _ci95, _lag, _panels, _share, cell_runs,
+from .study_summary import (WINDOW, cell_panels, cell_runs, ci95, lag_label, share_ci,
                             summarize_run)
 
 __all__ = ["aggregate", "summarize_run"]
@@ -52,9 +53,7 @@ def aggregate(cfg: StudyConfig, out: Path, report: Path, *, command: str = "",
     text = _markdown(cfg, runs, figures, command=command, elapsed=elapsed)
     if notes:
         text += "\n" + notes.strip() + "\n"
-    tmp = report.with_name(f".{report.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, report)
+    atomic_write_text(report, text)
     return report
 
 
@@ -63,7 +62,7 @@ def _halving(rs: list[dict], steps: int) -> str:
     at = [r["halved_step"] for r in rs]
     if all(x is None for x in at):
         return f"never in {steps} steps"
-    censored = _ci95([steps if x is None else x for x in at])
+    censored = ci95([steps if x is None else x for x in at])
     return f"at step {_steps_list(at)} (mean {_fmt_ci(*censored, digits=0)}, never = {steps})"
 
 
@@ -100,7 +99,7 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
             continue
         lines.append(f"Forced staleness {k}:")
         if any(a == "grpo" for _, a in verdict):
-            parts = [f"{f} {_share(n, t)}, {_halving(rs, cfg.steps)}"
+            parts = [f"{f} {share_ci(n, t)}, {_halving(rs, cfg.steps)}"
                      for (f, a), (n, t, rs) in verdict.items() if a == "grpo"]
             lines.append("- Does uncorrected GRPO collapse? Runs collapsed: " + "; ".join(parts)
                          + ".")
@@ -119,8 +118,8 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                 if (f, arm) not in verdict:
                     continue
                 n, t, rs = verdict[f, arm]
-                parts.append(f"{f}: collapsed {_share(n, t)}, {_halving(rs, cfg.steps)}; "
-                             f"final training reward {_fmt_ci(*_ci95([r['final'] for r in rs]))}"
+                parts.append(f"{f}: collapsed {share_ci(n, t)}, {_halving(rs, cfg.steps)}; "
+                             f"final training reward {_fmt_ci(*ci95([r['final'] for r in rs]))}"
                              f"; held-out {_heldout_line(rs)}")
             ask = ("alone: collapse delayed rather than avoided?" if single
                    else "stable to the end?")
@@ -134,10 +133,10 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                       for r in collapsed)
             lines.append(
                 f"- The collapse signature, over the {len(collapsed)} collapsed runs (judged up "
-                f"to {_WINDOW} steps after the halving): reward halved in all (by definition); "
-                f"KL ≥ 3× its first steps in {_share(kl3, len(collapsed))}; most episodes "
-                f"(≥ 50% and ≥ 3× the first steps, {_WINDOW}-step mean) ending on format errors "
-                f"in {_share(fmt, len(collapsed))}.")
+                f"to {WINDOW} steps after the halving): reward halved in all (by definition); "
+                f"KL ≥ 3× its first steps in {share_ci(kl3, len(collapsed))}; most episodes "
+                f"(≥ 50% and ≥ 3× the first steps, {WINDOW}-step mean) ending on format errors "
+                f"in {share_ci(fmt, len(collapsed))}.")
         lines.append("")
     lines += _kl_ratio(cfg, started)  # step 1: every run that logged one
     return lines
@@ -149,7 +148,7 @@ def _heldout_line(rs: list[dict]) -> str:
     for key in ("base", "mid", "final"):
         vals = [r["heldout"][key] for r in rs if key in r["heldout"]]
         if vals:
-            parts.append(f"{key} {_fmt_ci(*_ci95(vals))}")
+            parts.append(f"{key} {_fmt_ci(*ci95(vals))}")
     return " → ".join(parts) if parts else "not evaluated"
 
 
@@ -174,8 +173,8 @@ def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                 if c.fleet == f and pick(c.arm) and r["kl_first"] > 0:
                     per_seed.setdefault(c.seed, []).append(math.log(r["kl_first"]))
             logs[f] = [sum(v) / len(v) for v in per_seed.values()]
-        m0, h0 = _ci95(logs["L0"])
-        m2, h2 = _ci95(logs["L2"])
+        m0, h0 = ci95(logs["L0"])
+        m2, h2 = ci95(logs["L2"])
         half = math.sqrt(h0 ** 2 + h2 ** 2)  # nan with a single seed on either side
         ratio = math.exp(m2 - m0)
         spread = (f"95% interval {math.exp(m2 - m0 - half):.1f}–"
@@ -192,7 +191,7 @@ def _cell_table(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
     out = ["| fleet | K | arm | runs | train reward first 3 | final | collapsed | halved at | "
            "held-out base → mid → final | KL step 1 | KL growth | format errors (end / max) | "
            "MIS-masked (end) | first critical alert |", "|" + "---|" * 14]
-    for f, k, arms in _panels(cfg):
+    for f, k, arms in cell_panels(cfg):
         for arm in arms:
             rs = cell_runs(runs, f, k, arm)
             if not rs:
@@ -200,8 +199,8 @@ def _cell_table(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
             col = sum(r["halved_step"] is not None for r in rs)
             mean = lambda key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
             out.append(
-                f"| {f} | {_lag(k)} | {arm} | {len(rs)} | {mean('base'):.2f} | "
-                f"{_fmt_ci(*_ci95([r['final'] for r in rs]))} | {col}/{len(rs)} | "
+                f"| {f} | {lag_label(k)} | {arm} | {len(rs)} | {mean('base'):.2f} | "
+                f"{_fmt_ci(*ci95([r['final'] for r in rs]))} | {col}/{len(rs)} | "
                 f"{_steps_list([r['halved_step'] for r in rs])} | {_heldout_line(rs)} | "
                 f"{mean('kl_first'):.1e} | {mean('kl_growth'):.1f}× | "
                 f"{mean('format_end'):.2f} / {mean('format_max'):.2f} | "
@@ -276,9 +275,9 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, c
     out += _verdicts(cfg, runs)
     out += ["", "## Curves", ""] + [f"![{f}]({f})" for f in figures]
     out += ["", "## Per cell", "",
-            f"Training reward: the batches' reward, {_WINDOW}-step trailing mean (final = the "
-            f"last {_WINDOW} steps); ± = 95% t-interval over seeds. KL growth = highest "
-            f"{_WINDOW}-step KL mean / median KL of the first {_WINDOW} steps.", ""]
+            f"Training reward: the batches' reward, {WINDOW}-step trailing mean (final = the "
+            f"last {WINDOW} steps); ± = 95% t-interval over seeds. KL growth = highest "
+            f"{WINDOW}-step KL mean / median KL of the first {WINDOW} steps.", ""]
     out += _cell_table(cfg, runs)
     out += ["", "## The monitor on these runs", ""] + _monitor(runs)
     l2 = [r for c, r in runs.items() if c.fleet == "L2" and r["group_kl_first"]]

@@ -20,14 +20,16 @@ from typing import Any
 
 from .study import Cell, StudyConfig
 
-__all__ = ["summarize_run", "cell_runs"]
+__all__ = ["summarize_run", "cell_runs", "cell_panels", "WINDOW", "trailing", "ci95",
+           "share_ci", "lag_label"]
 
 
-_WINDOW = 5
+WINDOW = 5
 """Steps of the trailing moving average that accuracy, halving and the end values use."""
 
 
-def _trailing(xs: list[float], w: int = _WINDOW) -> list[float]:
+def trailing(xs: list[float], w: int = WINDOW) -> list[float]:
+    """The trailing mean over the last `w` finite values at each step (nan where none)."""
     out = []
     for i in range(len(xs)):
         part = [x for x in xs[max(0, i - w + 1):i + 1] if x is not None and math.isfinite(x)]
@@ -35,7 +37,7 @@ def _trailing(xs: list[float], w: int = _WINDOW) -> list[float]:
     return out
 
 
-def _ci95(values: list[float]) -> tuple[float, float]:
+def ci95(values: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95% t-interval (nan with fewer than two values)."""
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
@@ -49,7 +51,7 @@ def _ci95(values: list[float]) -> tuple[float, float]:
     return mean, float(stats.t.ppf(0.975, len(vals) - 1)) * sd / math.sqrt(len(vals))
 
 
-def _share(k: int, n: int) -> str:
+def share_ci(k: int, n: int) -> str:
     """`k/n` with its 95% Clopper–Pearson interval."""
     from scipy import stats
 
@@ -73,7 +75,7 @@ def _heldout(run: Path) -> dict[str, float]:
 
 def summarize_run(run: Path) -> dict[str, Any] | None:
     """One run's curves and the figures the study compares (None if it logged nothing)."""
-    from .trainer import read_metrics
+    from .rundir import read_metrics
 
     recs = read_metrics(run / "metrics.jsonl")
     if not recs:
@@ -82,30 +84,30 @@ def summarize_run(run: Path) -> dict[str, Any] | None:
     reward = [r["reward"] for r in recs]
     kl = [r["kl"] for r in recs]
     fmt = [r["format_error_rate"] for r in recs]
-    acc = _trailing(reward)
+    acc = trailing(reward)
     base = sum(reward[:3]) / len(reward[:3])
     halved = next((recs[i]["step"] for i, a in enumerate(acc)
-                   if i >= _WINDOW - 1 and a <= 0.5 * base), None)
+                   if i >= WINDOW - 1 and a <= 0.5 * base), None)
     critical = [a for a in alerts if a.get("severity") == "critical"]
     first_critical = min((a["step"] for a in critical), default=None)
-    early_kl = sorted(kl[:_WINDOW])[len(kl[:_WINDOW]) // 2]
-    end = slice(-_WINDOW, None)
-    kl_max = max(_trailing(kl))
+    early_kl = sorted(kl[:WINDOW])[len(kl[:WINDOW]) // 2]
+    end = slice(-WINDOW, None)
+    kl_max = max(trailing(kl))
     # the collapse signature, judged up to 5 steps after the halving (or over the run)
-    upto = len(recs) if halved is None else min(len(recs), halved + _WINDOW)
+    upto = len(recs) if halved is None else min(len(recs), halved + WINDOW)
     return {
         "steps": [r["step"] for r in recs], "reward": reward, "kl": kl,
         "format_error_rate": fmt, "accuracy": acc,
         "base": base, "final": sum(reward[end]) / len(reward[end]),
-        "peak": max(a for a in acc[_WINDOW - 1:] or acc),
+        "peak": max(a for a in acc[WINDOW - 1:] or acc),
         "kl_first": kl[0], "kl_early": early_kl, "kl_end": sum(kl[end]) / len(kl[end]),
         "kl_max": kl_max,
         "kl_growth": (kl_max / early_kl) if early_kl > 0 else float("nan"),
-        "kl_growth_at_collapse": (max(_trailing(kl)[:upto]) / early_kl) if early_kl > 0
+        "kl_growth_at_collapse": (max(trailing(kl)[:upto]) / early_kl) if early_kl > 0
         else float("nan"),
-        "format_end": sum(fmt[end]) / len(fmt[end]), "format_max": max(_trailing(fmt)),
-        "format_at_collapse": max(_trailing(fmt)[:upto]),
-        "format_early": sum(fmt[:_WINDOW]) / len(fmt[:_WINDOW]),
+        "format_end": sum(fmt[end]) / len(fmt[end]), "format_max": max(trailing(fmt)),
+        "format_at_collapse": max(trailing(fmt)[:upto]),
+        "format_early": sum(fmt[:WINDOW]) / len(fmt[:WINDOW]),
         "halved_step": halved, "first_critical": first_critical,
         "critical_alerts": len(critical), "alert_signals": sorted({a["signal"] for a in critical}),
         "group_kl_first": recs[0].get("group_kl", {}),
@@ -121,11 +123,12 @@ def cell_runs(runs: dict[Cell, dict], fleet: str, k: int | None, arm: str) -> li
             if (c.fleet, c.staleness, c.arm) == (fleet, k, arm)]
 
 
-def _lag(k: int | None) -> str:
+def lag_label(k: int | None) -> str:
+    """A cell's staleness as the report prints it ("sync" for an on-policy control)."""
     return "sync" if k is None else str(k)
 
 
-def _panels(cfg: StudyConfig) -> list[tuple[str, int | None, tuple[str, ...]]]:
+def cell_panels(cfg: StudyConfig) -> list[tuple[str, int | None, tuple[str, ...]]]:
     """(fleet, staleness, arms) of every group of cells, the controls last."""
     return ([(f, k, cfg.arms) for f in cfg.fleets for k in cfg.staleness]
             + [(f, None, cfg.sync_arms) for f in cfg.sync_fleets if cfg.sync_arms])

@@ -82,7 +82,9 @@ def train_command(
     from mismatch.cli.main import fail, quiet_libraries
 
     quiet_libraries()
-    from mismatch.train.trainer import EXIT_STOPPED, check_out, preset_config, run
+    from mismatch.train.config import preset_config
+    from mismatch.train.loop import EXIT_STOPPED, run
+    from mismatch.train.rundir import check_out
 
     try:
         cfg = preset_config(preset, correction=correction, steps=steps, lr=lr,
@@ -125,7 +127,7 @@ def train_command(
     except ValueError as exc:
         fail(str(exc))
     except RuntimeError as exc:
-        from mismatch.train.ray_backend import BackendError
+        from mismatch.train.ray_actors import BackendError
 
         if not isinstance(exc, BackendError):
             raise
@@ -255,7 +257,7 @@ def study_command(
     quiet_libraries()
     from dataclasses import replace
 
-    from mismatch.train.study import STUDY_PRESETS, StudyConfig, run_grid
+    from mismatch.train.study import STUDY_PRESETS, run_grid
     from mismatch.train.study_report import aggregate
 
     grid_command = ""
@@ -267,7 +269,7 @@ def study_command(
             raise ValueError(f"--jobs must be >= 1, got {jobs}")
         if notes is not None and not notes.is_file():
             raise ValueError(f"--notes {notes}: no such file")
-        cfg = StudyConfig(**STUDY_PRESETS[preset])
+        cfg = STUDY_PRESETS[preset]()
         over = {"fleets": fleets and _csv(fleets), "arms": arms and _csv(arms),
                 "seeds": seeds and _csv(seeds, int),
                 "staleness": staleness and _csv(staleness, int),

@@ -26,7 +26,8 @@ What the losses read:
   to verl's global token mean with `config.global_batch_info` (batch_num_tokens, dp_size) as
   verl's `agg_loss` does.
 - The MIS band [low, high]: `policy_loss.rollout_correction.rollout_rs_threshold` in verl's
-  "low_high" form (the form of its token_k1 rejection), else the project's MIS_LOW, MIS_HIGH.
+  "low_high" form (the form of its token_k1 rejection), else the arm's own (train.loss.ARMS:
+  MIS_LOW, MIS_HIGH).
 
 Score centering needs the sampler's top-k candidates, which stock verl 0.9.1 does not carry to
 the loss. The rollout must return, per response position, the top-k token ids and their log-probs
@@ -49,12 +50,12 @@ k3_kl and rollout_rs_masked_fraction from verl's file logger.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from mismatch.metrics import MIS_HIGH, MIS_LOW
-from mismatch.train.loss import ARMS, policy_loss
+from mismatch.train.loss import ARMS, Arm, policy_loss
 
 __all__ = ["LOSSES", "verl_loss"]
 
@@ -73,11 +74,12 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _mis_band(config: Any) -> tuple[float, float]:
+def _with_mis_band(arm: Arm, config: Any) -> Arm:
+    """The arm with verl's MIS band, when the config sets one (the arm's own otherwise)."""
     corr = _get(_get(config, "policy_loss"), "rollout_correction")
     spec = _get(corr, "rollout_rs_threshold")
     if spec is None:
-        return MIS_LOW, MIS_HIGH
+        return arm
     try:
         low, high = (float(x) for x in str(spec).split("_"))
     except ValueError:
@@ -85,7 +87,7 @@ def _mis_band(config: Any) -> tuple[float, float]:
                          f"mismatch losses, got {spec!r}") from None
     if not 0 <= low < high:
         raise ValueError(f"rollout_rs_threshold needs 0 <= low < high, got {spec!r}")
-    return low, high
+    return replace(arm, mis_low=low, mis_high=high)
 
 
 def verl_loss(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
@@ -99,8 +101,7 @@ def verl_loss(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     """The loss registered as `name` (module docstring), on verl's arguments."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; mismatch losses: {', '.join(LOSSES)}")
-    arm_name = LOSSES[name]
-    arm = ARMS[arm_name]
+    arm = ARMS[LOSSES[name]]
     if loss_agg_mode != "token-mean":
         raise ValueError(f"{name} is a token mean: set loss_agg_mode=token-mean, "
                          f"got {loss_agg_mode!r}")
@@ -113,11 +114,10 @@ def verl_loss(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
             ", rollout_support_mask" if arm.top_p else "")
         raise ValueError(f"{name} needs the sampler's top-k candidates ({needed}); verl's "
                          f"ppo_loss passes none: see mismatch.integrations.verl")
-    low, high = _mis_band(config)
     loss, metrics = policy_loss(
-        log_prob, old_log_prob, advantages, response_mask, arm=arm_name,
+        log_prob, old_log_prob, advantages, response_mask, arm=_with_mis_band(arm, config),
         cand_logp=cand_log_prob, cand_sampler_logp=rollout_cand_log_probs,
-        support_mask=rollout_support_mask, mis_low=low, mis_high=high)
+        support_mask=rollout_support_mask)
     info = _get(config, "global_batch_info", {}) or {}
     dp_size = int(info.get("dp_size", 1) or 1)
     batch_num_tokens = info.get("batch_num_tokens")

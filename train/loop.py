@@ -1,0 +1,249 @@
+"""The asynchronous training loop (`run`): sampler workers generate with the weights they hold,
+the trainer takes corrected GRPO steps and publishes new weights, the collapse monitor watches.
+
+Each step the trainer takes the first `prompts_per_step` finished units off the pipeline's queue
+(pipeline.py; a unit staler than `max_staleness` when consumed is discarded and counted), builds
+the batch (batch.py), steps (trainer.py), publishes the BF16 cast as version step+1, appends the
+step's record to metrics.jsonl (record.py) and feeds it to the monitor, evaluates every
+`eval_every` steps (evaluation.py) and checkpoints every `checkpoint_every` (rundir.py).
+
+Resume after a kill: the newest checkpoint is loaded; `metrics.jsonl` and `alerts.jsonl` are cut
+back to its step (a torn last line dropped), the monitor replays the kept records to rebuild its
+baselines, and the units claimed after the checkpoint — in flight or queued at the kill — are
+counted, logged and regenerated. No optimizer step is lost (they are recomputed from the
+checkpoint) and none is duplicated (the log is cut back first). In `sync` mode the resumed run is
+bit-identical to an uninterrupted one: the batch of step s is units [s·P, (s+1)·P), each seeded by
+its number, sampled with version s.
+
+Backends: `LocalBackend` (the trainer in this process, samplers in its threads or in sampler
+processes) or ray_backend.RayBackend (both as Ray actors); the loop is the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from mismatch.runtime import torch_threads
+
+from .batch import Unit, build_batch
+from .config import TrainConfig
+from .evaluation import evaluate
+from .fleet import SamplerGroup, fleet
+from .pipeline import Pipeline, Publisher
+from .record import StepRecord
+from .rundir import (check_out, check_resume, cut_jsonl, read_metrics, save_final,
+                     write_json)
+from .trainer import Trainer
+
+__all__ = ["run", "RunResult", "LocalBackend", "EXIT_STOPPED"]
+
+log = logging.getLogger("mismatch.train")
+
+EXIT_STOPPED = 3
+"""`mismatch train`'s exit code when the run stopped on an alert (resumable)."""
+
+
+@dataclass
+class RunResult:
+    out: Path
+    steps_done: int
+    stopped: str | None = None
+    """Why the run stopped early (a critical alert), or None."""
+    resumed_from: int | None = None
+    discarded_units: int = 0
+    alerts: list = field(default_factory=list)
+    evaluation: dict[str, Any] = field(default_factory=dict)
+    """{"base": …, "during": {"<step>": …}, "final": …} mean reward on the held-out tasks (when
+    eval_tasks > 0; "during" with eval_every > 0)."""
+
+
+class LocalBackend:
+    """The trainer in this process; samplers in its worker threads, or (cfg.sampler_processes)
+    in worker processes of one torch thread each, fed weights through shared memory
+    (`--backend local`)."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.pool = None
+
+    def trainer(self, model: torch.nn.Module, cfg: TrainConfig) -> Trainer:
+        return Trainer(model, cfg)
+
+    def pipeline(self, cfg: TrainConfig, groups: list[SamplerGroup], model, tokenizer,
+                 publisher: Publisher, start_unit: int) -> Pipeline:
+        if cfg.sampler_processes and self.pool is None:
+            from mismatch.engines.workers import WorkerPool
+
+            log.info("starting %d sampler processes", cfg.sampler_processes)
+            self.pool = WorkerPool(cfg.sampler_processes, (copy.deepcopy(model), tokenizer))
+        return Pipeline(cfg, groups, model, tokenizer, publisher, start_unit, pool=self.pool)
+
+    def put(self, weights: dict[str, torch.Tensor]):
+        """A published weight version as the pipeline holds it (here: the tensors)."""
+        return weights
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | None = None,
+        model=None, tokenizer=None, progress: Callable[[dict], None] | None = None,
+        log_alerts: bool = True, monitor_config=None, backend=None) -> RunResult:
+    """Train `cfg.steps` steps into `out` (see the module docstring). `stop_on`: end the run,
+    with a checkpoint, on the first alert of that severity or worse. `monitor_config`: the
+    collapse monitor's rules (probes.monitor.MonitorConfig; its defaults otherwise).
+    `backend`: where the samplers and the trainer run (LocalBackend when None;
+    train.ray_backend.RayBackend for Ray actors). The run owns it: it is closed at the end."""
+    backend = backend or LocalBackend()
+    try:
+        if stop_on not in (None, "warning", "critical"):
+            raise ValueError(f"stop-on must be warning or critical, got {stop_on!r}")
+        out = Path(out)
+        ckpt = check_out(out, resume, cfg)
+        with torch_threads(cfg.threads):  # the process's (workers and trainer share them)
+            if model is None or tokenizer is None:
+                from mismatch.zoo import load_model, load_tokenizer
+
+                model = model or load_model(cfg.model, dtype="bfloat16")
+                tokenizer = tokenizer or load_tokenizer(cfg.model)
+            out.mkdir(parents=True, exist_ok=True)
+            return _run(cfg, out, ckpt, backend, stop_on=stop_on, model=model,
+                        tokenizer=tokenizer, progress=progress, log_alerts=log_alerts,
+                        monitor_config=monitor_config)
+    finally:
+        backend.close()
+
+
+def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, model, tokenizer,
+         progress, log_alerts, monitor_config) -> RunResult:
+    from mismatch.probes.monitor import CollapseMonitor
+    from mismatch.probes.sinks import JsonlSink, TerminalSink
+
+    metrics_path, alerts_path = out / "metrics.jsonl", out / "alerts.jsonl"
+    trainer = backend.trainer(model, cfg)
+    step, next_unit, discarded = 0, 0, 0
+    history: list[dict[str, Any]] = []
+    if ckpt is not None:
+        try:
+            state = torch.load(ckpt / "state.pt", weights_only=False)
+        except Exception as exc:  # a checkpoint that cannot be read is bad input, not a bug
+            raise ValueError(f"checkpoint {ckpt} is unreadable ({type(exc).__name__}); delete "
+                             "it to resume from the one before") from exc
+        check_resume(cfg, state["config"])
+        trainer.load(state)
+        step, next_unit = int(state["step"]), int(state["next_unit"])
+        before = read_metrics(metrics_path)
+        claimed = max((r.get("units_claimed", 0) for r in before), default=next_unit)
+        discarded = max(0, claimed - next_unit)
+        history = cut_jsonl(metrics_path, step)
+        cut_jsonl(alerts_path, step)
+        log.warning("resuming %s at step %d: %d later step(s) of the log dropped; %d unit(s) "
+                    "(%d episodes) claimed after the checkpoint are discarded and regenerated",
+                    out, step, len(before) - len(history), discarded,
+                    discarded * cfg.samples_per_prompt)
+    write_json(out / "config.json", asdict(cfg))
+
+    eval_path = out / "eval.json"
+    evaluation = json.loads(eval_path.read_text()) if eval_path.exists() else {}
+    if cfg.eval_tasks and "base" not in evaluation:
+        log.info("evaluating the base policy on %d held-out tasks × %d", cfg.eval_tasks,
+                 cfg.eval_samples)
+        evaluation = {"tasks": cfg.eval_tasks, "samples": cfg.eval_samples,
+                      "base": evaluate(trainer.policy(), tokenizer, cfg)}
+        write_json(eval_path, evaluation)
+
+    groups = fleet(cfg.fleet)
+    monitor = CollapseMonitor(monitor_config)
+    for rec in history:  # rebuild baselines and debouncing state from the kept log
+        monitor.update(rec)
+    monitor.sinks = [JsonlSink(alerts_path)] + ([TerminalSink()] if log_alerts else [])
+    older = state.get("older_versions") if ckpt is not None else None
+    publisher = Publisher(step, trainer.published(), keep=cfg.lag,
+                          history={v: backend.put(w) for v, w in (older or {}).items()})
+    pipe = backend.pipeline(cfg, groups, model, tokenizer, publisher, next_unit)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    result = RunResult(out=out, steps_done=step, resumed_from=step if ckpt else None,
+                       discarded_units=discarded)
+    consumed_max = next_unit - 1
+    consumed_total = next_unit
+    pipe.start()
+    try:
+        with open(metrics_path, "a") as mfile:
+            last_ckpt = step
+            while step < cfg.steps:
+                t0 = time.perf_counter()
+                units: list[Unit] = []
+                stale_dropped = 0
+                while len(units) < cfg.prompts_per_step:
+                    unit = pipe.take()
+                    bound = cfg.staleness_bound
+                    if bound is not None and step - unit.version > bound:
+                        stale_dropped += 1
+                        continue
+                    units.append(unit)
+                waited = time.perf_counter() - t0
+                depth = pipe.results.qsize()
+                units.sort(key=lambda x: x.index)
+                t1 = time.perf_counter()
+                batch = build_batch(units, step, pad_id)
+                m = trainer.step(batch)
+                step += 1
+                publisher.publish(step, trainer.published())
+                consumed_total += len(units)
+                consumed_max = max([consumed_max] + [u.index for u in units])
+                pipe.notify(consumed=consumed_total)
+                train_s = time.perf_counter() - t1
+                wall = time.perf_counter() - t0
+                first_resumed = result.resumed_from is not None and \
+                    step == result.resumed_from + 1
+                rec = StepRecord.of(step, units, batch, m, waited=waited, train_s=train_s,
+                                    wall=wall, stale_dropped=stale_dropped, claimed=pipe.cursor,
+                                    queue_depth=depth, backend=backend.name, faults=pipe.faults,
+                                    resumed_discarded_units=discarded if first_resumed
+                                    else None).to_json()
+                mfile.write(json.dumps(rec) + "\n")
+                mfile.flush()
+                alerts = monitor.update(rec)  # also written to the alert file and the log
+                result.alerts.extend(alerts)
+                if progress:
+                    progress(rec)
+                stop_now = stop_on is not None and any(
+                    a.severity == "critical" or stop_on == "warning" for a in alerts)
+                if (cfg.eval_tasks and cfg.eval_every and step % cfg.eval_every == 0
+                        and step < cfg.steps and str(step) not in evaluation.get("during", {})):
+                    log.info("evaluating the policy at step %d", step)
+                    evaluation.setdefault("during", {})[str(step)] = dict(
+                        evaluate(trainer.policy(), tokenizer, cfg), step=step)
+                    write_json(eval_path, evaluation)
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop_now:
+                    trainer.save(out, step, consumed_max + 1, publisher.older())
+                    last_ckpt = step
+                if stop_now:
+                    worst = max(alerts, key=lambda a: a.severity == "critical")
+                    result.stopped = (f"{worst.severity} alert on {worst.signal} at step "
+                                      f"{worst.step}")
+                    break
+            if last_ckpt != step:
+                trainer.save(out, step, consumed_max + 1, publisher.older())
+    finally:
+        pipe.stop()
+        monitor.close()
+    result.steps_done = step
+    if cfg.eval_tasks:
+        log.info("evaluating the trained policy (step %d)", step)
+        evaluation["final"] = dict(evaluate(trainer.policy(), tokenizer, cfg), step=step)
+        write_json(eval_path, evaluation)
+    result.evaluation = evaluation
+    save_final(out, trainer.policy(), tokenizer)
+    return result

@@ -1,0 +1,250 @@
+"""The sampler pipeline: workers claim units, sample them with the newest published weights they
+may use, and queue the finished units for the trainer.
+
+- A worker thread claims units, picks up the newest published weights if it holds an older
+  version (only between units, never mid-episode), and drives the episodes (sampling.py). Each
+  sampled token carries the version that generated it. The router (fleet.Router,
+  capacity-proportional) assigns each unit to a sampler group; all its episodes are sampled by
+  that group's numerics (a GRPO group is one request to one server).
+- `Publisher` holds the newest weights and their monotonic version; the trainer publishes the
+  BF16 cast of its master as version step+1 after each step. Staleness of a token = the
+  optimizer step that consumes it − the version that generated it.
+- The gate (`Pipeline._may_claim`). Unbounded staleness (default): a unit is claimed while fewer
+  than `queue_steps` steps' worth are claimed and not yet consumed (back-pressure, not a
+  staleness bound). `max_staleness` = s: while claimed < (version + 1 + s)·prompts_per_step (an
+  AReaL-style bounded-staleness gate). Lockstep (`sync`, forced `staleness` K): one step of units
+  per version, claimed together and generated as one batch per sampler group (as a server
+  batches the requests it holds), with the weights of K versions before (the publisher holds
+  them).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from .batch import Unit
+from .config import TrainConfig
+from .fleet import Router, SamplerGroup
+from .rollout import COMPUTE_DTYPES
+from .sampling import model_at, sample_in_worker, sample_units, split_units
+
+__all__ = ["Publisher", "Pipeline"]
+
+
+class Publisher:
+    """The newest published weights and their monotonic version; with `keep` > 0 it also holds
+    the `keep` versions before it (what samplers K versions behind load)."""
+
+    def __init__(self, version: int, weights: dict[str, torch.Tensor], keep: int = 0,
+                 history: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
+        self._lock = threading.Lock()
+        self.keep = keep
+        self.version, self.weights = version, weights
+        self.history: dict[int, dict[str, torch.Tensor]] = dict(history or {})
+        self.history[version] = weights
+
+    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            if version <= self.version:
+                raise RuntimeError(f"publication must be monotonic: {version} after "
+                                   f"{self.version}")
+            self.version, self.weights = version, weights
+            self.history[version] = weights
+            for v in [v for v in self.history if v < version - self.keep]:
+                del self.history[v]
+
+    def latest(self, lag: int = 0) -> tuple[int, dict[str, torch.Tensor]]:
+        """The newest version, or the one `lag` versions before it (the oldest held if the run
+        is younger than `lag`)."""
+        with self._lock:
+            if lag == 0:
+                return self.version, self.weights
+            v = max(self.version - lag, min(self.history))
+            return v, self.history[v]
+
+    def older(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The held versions before the newest (saved in checkpoints to resume a lag)."""
+        with self._lock:
+            return {v: w for v, w in self.history.items() if v != self.version}
+
+
+def _spread(batches: list[list], n: int) -> list[list]:
+    """Split the largest batches in halves (by units) until there are `n` batches or none has two
+    units: every sampler process gets a share of a step (each episode's draws are its own)."""
+    out = [list(b) for b in batches]
+    while len(out) < n:
+        big = max(range(len(out)), key=lambda i: len(out[i]))
+        if len(out[big]) < 2:
+            break
+        half = len(out[big]) // 2
+        out[big:big + 1] = [out[big][:half], out[big][half:]]
+    return out
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class Pipeline:
+    """Sampler worker threads feeding finished units into a queue, gated as the config says."""
+
+    def __init__(self, cfg: TrainConfig, groups: list[SamplerGroup], model, tokenizer,
+                 publisher: Publisher, start_unit: int, pool=None) -> None:
+        self.cfg, self.groups, self.tokenizer, self.publisher = cfg, groups, tokenizer, publisher
+        self._base = model
+        self.pool = pool  # sampler processes (mismatch.engines.workers.WorkerPool), or None
+        self.router = Router(groups, seed=cfg.seed)
+        for u in range(start_unit):  # replay: unit u's group is the router's u-th assignment
+            self.router.assign(u)
+            self.router.release(u)
+        self.cursor = start_unit
+        self.consumed = start_unit
+        self.results: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.busy_seconds = 0.0
+
+    def start(self) -> None:
+        threads = max(self.cfg.workers, self.pool.size if self.pool is not None else 0)
+        for w in range(threads):
+            th = threading.Thread(target=self._work, name=f"sampler-{w}", daemon=True)
+            th.start()
+            self._threads.append(th)
+
+    def _may_claim(self) -> bool:
+        p, bound = self.cfg.prompts_per_step, self.cfg.staleness_bound
+        if self.cfg.lockstep:
+            return self.cursor < (self.publisher.version + 1) * p
+        if bound is not None:
+            return self.cursor < (self.publisher.version + 1 + bound) * p
+        return self.cursor < self.consumed + self.cfg.queue_steps * p
+
+    def _claim(self) -> tuple[int, SamplerGroup] | None:
+        with self._cond:
+            while not self._stop.is_set() and not self._may_claim():
+                self._cond.wait(0.5)
+            if self._stop.is_set():
+                return None
+            u = self.cursor
+            self.cursor += 1
+            group = self.router.assign(u)
+            self.router.release(u)
+            return u, group
+
+    def notify(self, consumed: int | None = None) -> None:
+        with self._cond:
+            if consumed is not None:
+                self.consumed = consumed
+            self._cond.notify_all()
+
+    @property
+    def _chunk(self) -> int:
+        """Asynchronous claims: a step's units shared among the sampler threads, in batches."""
+        pool = getattr(self, "pool", None)
+        threads = max(self.cfg.workers, pool.size if pool is not None else 0)
+        return max(1, self.cfg.prompts_per_step // threads)
+
+    def _claim_some(self, limit: int) -> list[tuple[int, SamplerGroup]]:
+        """Asynchronous modes: the next unit (waiting for the gate), then up to `limit` − 1 more
+        that the gate allows now — sampled together, as a server batches what it holds."""
+        first = self._claim()
+        if first is None:
+            return []
+        claims = [first]
+        with self._cond:
+            while len(claims) < limit and not self._stop.is_set() and self._may_claim():
+                u = self.cursor
+                self.cursor += 1
+                claims.append((u, self.router.assign(u)))
+                self.router.release(u)
+        return claims
+
+    def _claim_step(self) -> list[tuple[int, SamplerGroup]]:
+        """Lockstep modes: the claimable units of the current step, all at once (one batched
+        generation per sampler group, as a server batches the requests it holds)."""
+        first = self._claim()
+        if first is None:
+            return []
+        claims = [first]
+        with self._cond:
+            while not self._stop.is_set() and self._may_claim():
+                u = self.cursor
+                self.cursor += 1
+                claims.append((u, self.router.assign(u)))
+                self.router.release(u)
+        return claims
+
+    def _work(self) -> None:
+        models: dict[torch.dtype, tuple[int, torch.nn.Module]] = {}
+        cfg = self.cfg
+        try:
+            while True:
+                if cfg.lockstep:
+                    claims = self._claim_step()
+                else:
+                    claims = self._claim_some(self._chunk)
+                if not claims:
+                    return
+                version, weights = self.publisher.latest(cfg.lag)
+                by_group: dict[str, list[tuple[int, SamplerGroup]]] = defaultdict(list)
+                for u, group in claims:
+                    by_group[group.name].append((u, group))
+                done = self._generate(list(by_group.values()), version, weights, models)
+                for unit in sorted(done, key=lambda x: x.index):
+                    self.results.put(unit)
+        except BaseException as exc:  # handed to the trainer thread, which raises it
+            self.results.put(_Failure(exc))
+
+    def _generate(self, batches: list[list[tuple[int, SamplerGroup]]], version: int, weights,
+                  models: dict) -> list[Unit]:
+        """Sample the claimed units, one batch per sampler group, with weight `version` (in the
+        sampler processes, spread over them, when the pipeline has a pool)."""
+        done: list[Unit] = []
+        if self.pool is not None:
+            batches = _spread(batches, self.pool.size)
+            calls = [(self.cfg, batch[0][1], [u for u, _ in batch], version, weights)
+                     for batch in batches]
+            for batch, (eps, dt) in zip(batches, self.pool.map(sample_in_worker, calls)):
+                with self._cond:
+                    self.busy_seconds += dt
+                done += split_units(eps, batch, batch[0][1].name, version, dt,
+                                    self.cfg.samples_per_prompt)
+            return done
+        for batch in batches:
+            group = batch[0][1]
+            model = model_at(models, self._base, COMPUTE_DTYPES[group.spec.compute_dtype],
+                             version, weights)
+            t0 = time.perf_counter()
+            eps = sample_units(model, self.tokenizer, self.cfg, group,
+                               [u for u, _ in batch], version)
+            dt = time.perf_counter() - t0
+            with self._cond:
+                self.busy_seconds += dt
+            done += split_units(eps, batch, group.name, version, dt, self.cfg.samples_per_prompt)
+        return done
+
+    @property
+    def faults(self) -> dict[str, int]:
+        """Sampler failures survived: restarts and the units (episodes) sampled again."""
+        return {"sampler_restarts": self.pool.restarts if self.pool is not None else 0,
+                "requeued_units": 0}
+
+    def take(self) -> Unit:
+        item = self.results.get()
+        if isinstance(item, _Failure):
+            raise item.exc
+        return item
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.notify()
+        for th in self._threads:
+            th.join(timeout=60)
+

@@ -1,0 +1,136 @@
+"""A run directory (`out`) on disk: checkpoints, the metrics and alert logs, the resume checks.
+
+- `metrics.jsonl`: one object per optimizer step (`step` = steps completed; record.StepRecord),
+  the monitor's native format, so `mismatch monitor out/metrics.jsonl` reads it.
+- `alerts.jsonl`: the collapse monitor's alerts.
+- `checkpoints/step-NNNNNN/state.pt`: FP32 master, AdamW state, the unit cursor, the config and
+  the older weight versions a forced lag samples with; written to a temporary sibling and
+  renamed, the newest two kept.
+- `config.json`, `eval.json`; `final/`, the BF16 policy with its tokenizer, when the run ends.
+
+Resume after a kill: the newest checkpoint is loaded, and `metrics.jsonl` and `alerts.jsonl` are
+cut back to its step (a torn last line dropped) so that no step is logged twice.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mismatch.io import atomic_directory, atomic_write_text
+
+from .config import TrainConfig
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+__all__ = ["latest_checkpoint", "save_checkpoint", "check_ranks", "read_metrics", "cut_jsonl",
+           "check_resume", "check_out", "write_json", "save_final"]
+
+_CHECKPOINTS_KEPT = 2
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """`obj` as indented JSON, written atomically (config.json, eval.json)."""
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory (renamed into place only when whole)."""
+    root = Path(out) / "checkpoints"
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and (p / "state.pt").exists())
+    return done[-1] if done else None
+
+
+def save_checkpoint(out: Path, step: int, trainer: Trainer | dict[str, Any], next_unit: int,
+                    cfg: TrainConfig, older: dict[int, dict[str, torch.Tensor]] | None = None
+                    ) -> Path:
+    """Write checkpoints/step-NNNNNN (temporary sibling, then renamed; the newest two kept).
+    `trainer`: a Trainer, or the trainer state to save ({"master", "optimizer", ...})."""
+    root = Path(out) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    state = trainer if isinstance(trainer, dict) else trainer.state()
+    with atomic_directory(final) as tmp:
+        torch.save({"step": step, "next_unit": next_unit, "config": asdict(cfg), **state,
+                    "older_versions": older or {}},
+                   tmp / "state.pt")
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-_CHECKPOINTS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def check_ranks(state: dict[str, Any], ranks: int) -> None:
+    """A checkpoint's optimizer state is laid out for the trainer that wrote it."""
+    saved = int(state.get("trainer_ranks", 1))
+    if (saved == 1) != (ranks == 1):
+        raise ValueError(f"the checkpoint was written by a {saved}-rank trainer; resume with "
+                         f"--trainer-ranks {'1' if saved == 1 else 'N > 1'} (not {ranks})")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The complete records of a metrics.jsonl (a torn last line — a kill mid-write — dropped)."""
+    out = []
+    path = Path(path)
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return out
+
+
+def cut_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the records with step <= `step`, rewritten atomically; return them."""
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    if path.exists():
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+def check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
+    """A resume computes what the saved run computed: only RESUMABLE fields may differ."""
+    changed = [f.name for f in fields(TrainConfig) if f.name not in TrainConfig.RESUMABLE
+               and saved.get(f.name) != getattr(cfg, f.name)]
+    if changed:
+        name = changed[0]
+        raise ValueError(f"the run was started with {name.replace('_', '-')}="
+                         f"{saved.get(name)!r}, not {getattr(cfg, name)!r}; resume with the "
+                         f"same settings or use another --out")
+
+
+
+def check_out(out: Path, resume: bool, cfg: TrainConfig | None = None) -> Path | None:
+    """Validate a run directory for a new run or a resume (of the same `cfg`); returns the
+    checkpoint to resume."""
+    out = Path(out)
+    ckpt = latest_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        raise ValueError(f"{out} has no checkpoint to resume from; start it without --resume")
+    saved = out / "config.json"
+    if resume and cfg is not None and saved.exists():
+        try:
+            check_resume(cfg, json.loads(saved.read_text()))
+        except json.JSONDecodeError:
+            pass  # the checkpoint's own copy of the config is checked when it is loaded
+    if not resume and ((out / "metrics.jsonl").exists() or (out / "checkpoints").exists()):
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose "
+                         "another --out")
+    return ckpt
+
+
+
+def save_final(out: Path, policy: torch.nn.Module, tokenizer) -> None:
+    """out/final: the policy and its tokenizer, as a model directory (written whole, renamed)."""
+    with atomic_directory(Path(out) / "final") as tmp:
+        policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
