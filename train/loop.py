@@ -127,8 +127,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
 
 def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, model, tokenizer,
          progress, log_alerts, monitor_config) -> RunResult:
-    from mismatch.probes.monitor import CollapseMonitor
-    from mismatch.probes.sinks import JsonlSink, TerminalSink
+    from mismatch.probes.monitor import CollapseMonitor, JsonlSink, TerminalSink
 
     metrics_path, alerts_path = out / "metrics.jsonl", out / "alerts.jsonl"
     trainer = backend.trainer(model, cfg)

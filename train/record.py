@@ -1,5 +1,5 @@
 """A training step's record: the line `run` appends to out/metrics.jsonl after every optimizer
-step, in the collapse monitor's native format (probes.alerts.SIGNALS), so `mismatch monitor
+step, in the collapse monitor's native format (mismatch.probes.monitor.SIGNALS), so `mismatch monitor
 out/metrics.jsonl` reads a run's log as it reads any framework's.
 
 `StepRecord.to_json()` is the JSON object, its keys in the order of the fields; the optional
