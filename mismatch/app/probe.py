@@ -66,7 +66,7 @@ def _sampler_numerics(model: torch.nn.Module, spec: NumericsSpec, scales: dict):
     the Triton kernels on the GPU; attention is torch SDPA."""
     import contextlib
 
-    from .engines.numerics import apply_numerics, fp8_kv_cache
+    from mismatch.engines.numerics import apply_numerics, fp8_kv_cache
 
     if spec.weight_codec is None and spec.activation_codec is None:
         return contextlib.nullcontext() if spec.kv_codec is None else fp8_kv_cache(model)
@@ -86,10 +86,10 @@ class ProbeResult:
 
 def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = None) -> ProbeResult:
     """Run the probe; `progress(done, total)` is called after each batch."""
-    from .engines.numerics import apply_numerics, calibrate
-    from .engines.sampler import SamplingParams, generate
-    from .engines.scorer import score
-    from .engines.te import check_te
+    from mismatch.engines.numerics import apply_numerics, calibrate
+    from mismatch.engines.sampler import SamplingParams, generate
+    from mismatch.engines.scorer import score
+    from mismatch.engines.te import check_te
     from mismatch.zoo import load_model, load_tokenizer
     from mismatch.probes.base import Tally
 
@@ -201,9 +201,9 @@ def _trainer_scores(model: torch.nn.Module, trainer: NumericsSpec, rollout: Roll
                     kernels: str, full_from: int):
     """The trainer side's scores: the reference GEMM model on CPU, or transformer-engine's
     linear layers on the local GPU (the model visits CUDA for the call)."""
-    from .engines.numerics import apply_numerics
-    from .engines.scorer import score
-    from .engines.te import te_linears
+    from mismatch.engines.numerics import apply_numerics
+    from mismatch.engines.scorer import score
+    from mismatch.engines.te import te_linears
 
     if kernels == "torch":
         with apply_numerics(model, trainer, kernels=False):
