@@ -27,7 +27,9 @@ import math
 
 from mismatch.profiles import GPUS, ProfileError, natural_pairs, resolve
 
-from .base import Batch, ProbeContext, SourceResult, Tally, Variant
+from .base import Batch, SourceResult, Variant
+from .context import ProbeContext
+from .tally import Tally
 
 
 def fleet_groups(shares: tuple[tuple[str, float], ...] = ()) -> list[tuple[str, str, float]]:

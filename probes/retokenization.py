@@ -56,7 +56,9 @@ from mismatch.engines.episodes import decode_ids as _decode
 from mismatch.engines.episodes import encode_text as _encode
 from mismatch.engines.episodes import render_chat as _render
 
-from .base import Evaluation, ProbeContext, SourceResult, Tally
+from .base import Evaluation, SourceResult
+from .context import ProbeContext
+from .tally import Tally
 
 __all__ = [
     "EpisodeTrace",

@@ -12,7 +12,7 @@ from mismatch.probes.config import ProbeConfig
 from mismatch.zoo.chat_template import continuation_text
 from mismatch.zoo.episode import NUDGE
 from mismatch.zoo.tasks import TOOLS, generate_tasks
-from mismatch.probes.base import ProbeContext
+from mismatch.probes.context import ProbeContext
 from mismatch.probes.retokenization import (
     RetokenizationConfig,
     Session,

@@ -16,7 +16,9 @@ from mismatch.cli.main import app
 from mismatch.probes.config import ProbeConfig
 from mismatch.probes import SOURCES, parse_sources
 from mismatch.probes.accelerator import AcceleratorProbe, fleet_groups
-from mismatch.probes.base import Evaluation, ProbeContext, Tally, Variant, with_spec
+from mismatch.probes.base import Evaluation, Variant, with_spec
+from mismatch.probes.context import ProbeContext
+from mismatch.probes.tally import Tally
 from mismatch.probes.kernels import KernelsProbe
 from mismatch.probes.ladder import LadderProbe
 from mismatch.probes.routing import RoutingProbe, routing_flips
