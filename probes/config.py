@@ -2,7 +2,8 @@
 
 `ProbeConfig` is shared by the quick probe (`mismatch.app.probe`) and the source probes
 (`mismatch.probes.runner`). It holds what the run shares and composes the configs that a source
-probe owns (each in the probe's module, checked there): `staleness` and `sampling`.
+probe owns (each in the probe's module, checked there): `sampling`, `staleness` and
+`retokenization`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ProbeError
+from .retokenization import RetokenizationConfig
 from .sampling import SamplingConfig
 from .staleness import StalenessConfig
 
@@ -60,6 +62,8 @@ class ProbeConfig:
     """The sampling probe's options."""
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     """The staleness probe's options."""
+    retokenization: RetokenizationConfig = field(default_factory=RetokenizationConfig)
+    """The retokenization probe's multi-turn sizes (no CLI options: the defaults)."""
     ci_target: float = 0.0
     """Keep drawing held-out prompts until every headline KL's 95% half-width is under this
     fraction of its value (0: off; the study's target is 0.2)."""
