@@ -198,7 +198,9 @@ def test_run_template_is_json_ready(ctx):
     assert out["applies"] and result.name == "retokenization"
     assert out["render"] == "template" and out["sequences"] == ctx.cfg.subset_prompts
     assert out["sampled_tokens"] > 0 and out["episodes"] == SMALL.episodes
-    assert set(out["parts"]) >= {"decode_reencode", "multi_turn_template"}
+    for part in ("decode_reencode", "multi_turn_template"):
+        assert out["parts"][part]["tokens"] > 0 and out["parts"][part]["kl_exact"] >= 0, part
+    assert out["parts"]["multi_turn_template"] == result.headline
     assert 0 <= out["changed_token_fraction"] <= out["changed_sequence_fraction"] <= 1
     # a second question is a user message: the reasoning before it is dropped on re-rendering
     assert out["changed_episode_fraction"] > 0
