@@ -98,8 +98,8 @@ class Ladder(Protocol):
 
 def run(ctx: ProbeContext, *,
         ladder: Callable[[ProbeContext], Ladder] | None = None) -> SourceResult:
-    """KL(θ_{K−k} ‖ θ_K) on the stale sampler's tokens for k = 0 … K. The checkpoints are the
-    user's (`StalenessConfig.checkpoints`) or `ladder(ctx)`'s, the generated steps."""
+    """KL(θ_{K−k} ‖ θ_K) on the stale sampler's tokens for k = 0 … K. The checkpoints are
+    the user's (`StalenessConfig.checkpoints`) or `ladder(ctx)`'s, the generated steps."""
     cfg = ctx.cfg
     n_batches = -(-min(cfg.subset_prompts, len(ctx.prompts)) // cfg.batch_size)
     if cfg.staleness.checkpoints is not None:

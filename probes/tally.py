@@ -28,7 +28,7 @@ NOISE_FLOOR = 1e-7
 interval target does not apply there."""
 CI_REL_TARGET = 0.2
 """A figure above the noise floor should have a 95% half-width under 20% of its value."""
-_MAX_LOG_RATIO = 20.0  # keeps k3's exp(log π − log μ) finite for a pathological token (e^20 ≈ 4.9e8)
+_MAX_LOG_RATIO = 20.0  # keeps k3's exp(log π − log μ) finite (e^20 ≈ 4.9e8)
 
 
 class Tally:
