@@ -30,8 +30,7 @@ CUDA machine the local GPU must be the named one (name and compute capability) u
 `emulate` is set; measured samplers run the GPU's own kernels: cuBLAS BF16/FP16 GEMMs and torch
 SDPA attention, FP8 W8A8 GEMMs through torch._scaled_mm on GPUs with FP8 tensor cores, and the
 Triton fake-quant / accumulation kernels (mismatch.kernels) for the formats torch has no GEMM
-for. Without CUDA everything is emulated, as before.
-
+for. Without CUDA everything is emulated.
 
 The probe is the source probes' pipeline (mismatch.probes.runner.run_batches on a
 mismatch.probes.context.ProbeContext) with one batch probe, `SplitProbe`; the pipeline's own
