@@ -18,7 +18,7 @@ __all__ = ["DEFAULT_POLICY", "SOURCE_METRICS", "TOTAL_METRICS", "Check", "Policy
            "PolicyError", "dominant_source", "evaluate", "load_policy", "markdown",
            "needed_sources", "qualify_emulated", "verdict", "write_outputs"]
 
-DEFAULT_POLICY = Path(__file__).with_name("policies") / "default.toml"
+DEFAULT_POLICY = Path(__file__).parent.parent / "policies" / "default.toml"  # mismatch/policies
 
 TOTAL_METRICS = {
     "kl_k3": "KL(sampler ‖ trainer), k3 estimator, nats/token",
