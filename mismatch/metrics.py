@@ -38,6 +38,7 @@ __all__ = [
     "logprob_diff_stats",
     "per_sequence",
     "exact_kl",
+    "second_order",
     "top1_agreement",
     "divergence_summary",
     "bootstrap_ci",
@@ -161,7 +162,7 @@ def exact_kl(sampler_logits: torch.Tensor, trainer_logits: torch.Tensor, *,
             delta = cs - lt[:, v0:v0 + vocab_chunk].float()
             z += mu.sum(-1).double()
             a += (mu * delta).sum(-1).double()
-            b += (mu * _second_order(delta)).sum(-1).double()
+            b += (mu * second_order(delta)).sum(-1).double()
         a, b = a / z, b / z  # Σμ is 1 only to float32 rounding
         out[r0:r0 + row_chunk] = (a + torch.log1p(b - a)).clamp_min(0)  # KL ≥ 0
     return out
@@ -170,7 +171,7 @@ def exact_kl(sampler_logits: torch.Tensor, trainer_logits: torch.Tensor, *,
 _TAYLOR_BELOW = 1e-2  # |δ| under which expm1(−δ) + δ is evaluated as its Taylor series
 
 
-def _second_order(delta: torch.Tensor) -> torch.Tensor:
+def second_order(delta: torch.Tensor) -> torch.Tensor:
     """q(δ) = expm1(−δ) + δ = δ²/2 − δ³/6 + δ⁴/24 − …, to float32 accuracy for every δ: the
     series where the closed form would cancel (|δ| < 1e-2), the closed form elsewhere."""
     series = delta * delta * (0.5 - delta * (1.0 / 6.0 - delta * (1.0 / 24.0)))

@@ -2,10 +2,11 @@
 --sources a,b,...|all [--ladder]`).
 
 Each probe changes exactly one factor between two configurations and scores the same tokens under
-both (base.py). `SOURCES` is the registry: name → how to run it. Batch probes share the target
+both (base.py; context.py evaluates the configurations, tally.py compares them, runner.py runs
+the probes). `SOURCES` is the registry: name → how to run it. Batch probes share the target
 sampler's rollouts batch by batch (and each configuration's evaluation of them); standalone
-probes draw their own data (staleness trains, retokenization runs multi-turn episodes, sampling
-draws with top-p).
+probes draw their own data (staleness measures a checkpoint ladder, retokenization runs
+multi-turn episodes, sampling draws with top-p).
 """
 
 from __future__ import annotations

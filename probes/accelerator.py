@@ -28,7 +28,9 @@ import math
 from mismatch.fleets import fleet_groups
 from mismatch.profiles import GPUS, ProfileError, resolve
 
-from .base import Batch, ProbeContext, SourceResult, Tally, Variant
+from .base import Batch, SourceResult, Variant
+from .context import ProbeContext
+from .tally import Tally
 
 
 class AcceleratorProbe:

@@ -1,20 +1,22 @@
 """What one probe run is: the sampler's GPU and precision, the model, the prompts, the lengths.
 
 `ProbeConfig` is shared by the quick probe (`mismatch.app.probe`) and the source probes
-(`mismatch.probes.runner`); `ProbeError` is their one exception for bad input (the CLI turns it
-into a one-line error).
+(`mismatch.probes.runner`). It holds what the run shares and composes the configs that a source
+probe owns (each in the probe's module, checked there): `sampling`, `staleness` and
+`retokenization`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ProbeConfig", "ProbeError"]
+from .errors import ProbeError
+from .retokenization import RetokenizationConfig
+from .sampling import SamplingConfig
+from .staleness import StalenessConfig
 
-
-class ProbeError(ValueError):
-    """Bad probe input (prompt file, lengths, model); the message says what to do."""
+__all__ = ["ProbeConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,14 +58,12 @@ class ProbeConfig:
     """Prompts for the per-GPU, fleet and sampling configurations (the expensive ones)."""
     fleet_shares: tuple[tuple[str, float], ...] = ()
     """Capacity shares of the fleet's groups ("gpu-dtype", share); empty: equal shares."""
-    top_p: float = 0.9
-    """Top-p of the sampling probe's sampler."""
-    staleness_max_lag: int = 8
-    """Largest staleness (optimizer steps behind) the staleness probe measures."""
-    staleness_lr: float = 1e-4
-    """AdamW learning rate of the staleness probe's policy-gradient steps."""
-    staleness_checkpoints: Path | None = None
-    """A directory of the user's checkpoints in training order (replaces the generated steps)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """The sampling probe's options."""
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    """The staleness probe's options."""
+    retokenization: RetokenizationConfig = field(default_factory=RetokenizationConfig)
+    """The retokenization probe's multi-turn sizes (no CLI options: the defaults)."""
     ci_target: float = 0.0
     """Keep drawing held-out prompts until every headline KL's 95% half-width is under this
     fraction of its value (0: off; the study's target is 0.2)."""
@@ -78,11 +78,8 @@ class ProbeConfig:
     def __post_init__(self) -> None:
         if self.n_prompts < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
             raise ProbeError("--n-prompts, --batch-size and --max-new-tokens must be >= 1")
-        if self.subset_prompts < 1 or self.staleness_max_lag < 1 or not 0 < self.top_p <= 1:
-            raise ProbeError("--subset-prompts and --staleness-max-lag must be >= 1 and "
-                             "--top-p in (0, 1]")
-        if self.staleness_lr <= 0:
-            raise ProbeError("--staleness-lr must be > 0")
+        if self.subset_prompts < 1:
+            raise ProbeError(f"--subset-prompts must be >= 1, got {self.subset_prompts}")
         if not 0 <= self.ci_target < 1 or self.max_prompts < self.n_prompts:
             raise ProbeError("--ci-target must be in [0, 1) and --max-prompts >= --n-prompts")
         from mismatch.engines.te import TRAINER_KERNELS

@@ -30,7 +30,9 @@ batch-invariant kernels. On a 2M-parameter model with short contexts the figures
 
 from __future__ import annotations
 
-from .base import PairedProbe, ProbeContext, SourceResult, Variant, with_spec
+from .base import SourceResult, Variant, with_spec
+from .context import ProbeContext
+from .paired import PairedProbe
 
 
 class KernelsProbe(PairedProbe):

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from mismatch.profiles import NumericsSpec, ProfileError, resolve
 
-from .base import PairedProbe, ProbeContext, SourceResult, Variant, with_spec
+from .base import SourceResult, Variant, with_spec
+from .context import ProbeContext
+from .paired import PairedProbe
 
 RUNGS = ("L0 kernels", "L1 + precision", "L2 + accelerator")
 

@@ -26,7 +26,9 @@ import math
 from mismatch.profiles import GPUS, NumericsSpec
 from mismatch.quantize.precisions import KV_CACHE_CODECS, PRECISIONS
 
-from .base import Batch, ProbeContext, SourceResult, Tally, Variant, with_spec
+from .base import Batch, SourceResult, Variant, with_spec
+from .context import ProbeContext
+from .tally import Tally
 
 FORMATS = ("fp16", "fp8", "fp8-block128", "mxfp4", "nvfp4", "w4a16-nvfp4")
 STAGES = ("W", "W+A", "W+A+KV")

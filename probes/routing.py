@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Batch, ProbeContext, SourceResult, Tally, Variant
+from .base import Batch, SourceResult, Variant
+from .context import ProbeContext
+from .tally import Tally
 
 
 def routing_flips(sampler: torch.Tensor, trainer: torch.Tensor,

@@ -1,17 +1,34 @@
-"""Run the requested source probes (and the ladder) on one context, and gather their results."""
+"""The one probe pipeline: sample the target sampler once per batch, tally the total (trainer vs
+sampler) and feed every batch probe, draw more prompts while --ci-target is unmet, then run the
+standalone probes. `mismatch probe` without --sources is this pipeline with one batch probe, the
+quick probe's split (mismatch.app.probe); with --sources, `run_sources`.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from . import SOURCES, load_source
-from .base import ProbeContext, SourceResult, Tally
+from mismatch.runtime import torch_threads
 
-__all__ = ["run_sources", "SourcesRun"]
+from . import SOURCES, load_source
+from .base import SourceResult
+from .context import ProbeContext
+from .tally import NOISE_FLOOR, Tally
+
+__all__ = ["run_batches", "run_sources", "SourcesRun", "BatchesRun"]
+
+
+@dataclass
+class BatchesRun:
+    """The total's tally over every batch and the --ci-target outcome."""
+
+    total: Tally
+    ci: dict
+    """{"target": fraction, "met": bool | None (None: off), "unmet": [headline names]}."""
 
 
 @dataclass
@@ -23,62 +40,74 @@ class SourcesRun:
     log_ratio_total: torch.Tensor = field(repr=False)
 
 
-def run_sources(cfg, progress: Callable[[str, int, int], None] | None = None) -> SourcesRun:
-    """Sample with the target sampler once per batch, feed every batch probe, then run the
-    standalone probes. `progress(label, done, total)` is called as work proceeds."""
+def run_batches(ctx: ProbeContext, probes: list, *, ci_target: float = 0.0) -> BatchesRun:
+    """Sample every batch of `ctx` with the target sampler; tally trainer vs sampler and give
+    each batch probe the batches it needs. With `ci_target` > 0, once the batches are done and a
+    headline's interval is still too wide, draw 8 batches more of held-out prompts and check
+    again (until met or --max-prompts). Call under the context's thread count."""
+    total = Tally()
+    i = 0
+    ci = {"target": ci_target, "met": None, "unmet": []}
+    while i < len(ctx.batches):
+        batch = ctx.sample_batch(i)
+        ctx.compare(total, ctx.reference, ctx.sampler, batch)
+        for probe in probes:
+            if probe.batches_needed is None or i < probe.batches_needed:
+                probe.on_batch(batch)
+        i += 1
+        ctx.progress("sampling and scoring", i, len(ctx.batches))
+        if i == len(ctx.batches) and ci_target > 0:
+            ci["unmet"] = _unmet(total, probes, ci_target, ctx.cfg.seed)
+            ci["met"] = not ci["unmet"]
+            if ci["unmet"]:
+                ctx.extend_prompts(8 * ctx.cfg.batch_size)
+    return BatchesRun(total=total, ci=ci)
+
+
+def run_sources(cfg, progress: Callable[[str, int, int], None] | None = None, *,
+                standalone_inputs: Mapping[str, dict] | None = None) -> SourcesRun:
+    """The requested source probes (and the ladder) of `cfg`. `progress(label, done, total)` is
+    called as work proceeds. `standalone_inputs[name]`: keyword arguments the application layer
+    wires into a standalone probe beside the context (the staleness probe's checkpoint ladder)."""
     from .ladder import LadderProbe
 
     if not cfg.sources and not cfg.ladder:
         raise ValueError("no sources to probe: pass --sources a,b,...|all and/or --ladder")
     ctx = ProbeContext(cfg, progress)
-    batch_probes = [load_source(n)(ctx) for n in cfg.sources if SOURCES[n].kind == "batch"]
-    if cfg.ladder:
-        batch_probes.append(LadderProbe(ctx))
-    total = Tally()
-    i = 0
-    ci = {"target": cfg.ci_target, "met": None, "unmet": []}
-    while i < len(ctx.batches):
-        batch = ctx.sample_batch(i)
-        ctx.compare(total, ctx.reference, ctx.sampler, batch)
-        for probe in batch_probes:
-            if probe.batches_needed is None or i < probe.batches_needed:
-                probe.on_batch(batch)
-        i += 1
-        ctx.progress("sampling and scoring", i, len(ctx.batches))
-        if i == len(ctx.batches) and cfg.ci_target > 0:
-            ci["unmet"] = _unmet(total, batch_probes, cfg)
-            ci["met"] = not ci["unmet"]
-            if ci["unmet"]:
-                ctx.extend_prompts(8 * cfg.batch_size)  # check again after 8 more batches
-    results: dict[str, SourceResult] = {p.name: p.finish() for p in batch_probes}
-    for name in cfg.sources:
-        if SOURCES[name].kind == "standalone":
-            results[name] = load_source(name)(ctx)
+    with torch_threads(ctx.threads):
+        batch_probes = [load_source(n)(ctx) for n in cfg.sources if SOURCES[n].kind == "batch"]
+        if cfg.ladder:
+            batch_probes.append(LadderProbe(ctx))
+        run = run_batches(ctx, batch_probes, ci_target=cfg.ci_target)
+        results: dict[str, SourceResult] = {p.name: p.finish() for p in batch_probes}
+        for name in cfg.sources:
+            if SOURCES[name].kind == "standalone":
+                kwargs = (standalone_inputs or {}).get(name, {})
+                results[name] = load_source(name)(ctx, **kwargs)
+        total = run.total.summary(cfg.seed)
     spec = ctx.spec
     summary = {
         "gpu": spec.gpu, "dtype": spec.dtype, "kv_cache": spec.kv_cache,
         "trainer_dtype": ctx.trainer.dtype, "trainer_gpu": cfg.trainer_gpu, "mode": "emulated",
         "model": str(cfg.model) if cfg.model else "embedded",
         "kernel_path": spec.kernel_path, "attention": spec.attention,
-        "prompts": len(ctx.prompts), "tokens": total.tokens,
-        "total": total.summary(cfg.seed),
-        "ci_target": ci,
+        "prompts": len(ctx.prompts), "tokens": run.total.tokens,
+        "total": total,
+        "ci_target": run.ci,
         "sources": {name: r.to_json() for name, r in results.items() if name != "ladder"},
     }
     if "ladder" in results:
         summary["ladder"] = results["ladder"].to_json()
-    return SourcesRun(summary=summary, results=results, log_ratio_total=total.log_ratio())
+    return SourcesRun(summary=summary, results=results, log_ratio_total=run.total.log_ratio())
 
 
-def _unmet(total: Tally, probes: list, cfg) -> list[str]:
-    """Names of headline comparisons whose interval is still wider than --ci-target."""
-    from .base import NOISE_FLOOR
-
+def _unmet(total: Tally, probes: list, ci_target: float, seed: int) -> list[str]:
+    """Names of headline comparisons whose interval is still wider than `ci_target`."""
     out = []
     for name, tally in [("total", total)] + [(p.name, p.headline) for p in probes
                                              if p.batches_needed is None]:
-        s = tally.summary(cfg.seed, n_boot=400)
+        s = tally.summary(seed, n_boot=400)
         rel = s.get("kl_exact_ci_rel", math.inf)
-        if s.get("kl_exact", 0.0) >= NOISE_FLOOR and not rel < cfg.ci_target:
+        if s.get("kl_exact", 0.0) >= NOISE_FLOOR and not rel < ci_target:
             out.append(name)
     return out

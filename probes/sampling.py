@@ -26,13 +26,32 @@ and with replay + log π(S).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from mismatch.engines.sampler import process_logits
-from mismatch.metrics import _second_order, exact_kl
+from mismatch.metrics import exact_kl, second_order
 
-from .base import ProbeContext, SourceResult, Tally, _pad_width
+from .base import SourceResult, pad_width
+from .context import ProbeContext
+from .errors import ProbeError
+from .tally import Tally
+
+__all__ = ["SamplingConfig", "run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """What the sampling probe samples with."""
+
+    top_p: float = 0.9
+    """Nucleus mass of the probe's sampler (1: the full distribution, raw = processed)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_p <= 1:
+            raise ProbeError(f"the sampling probe's top-p must be in (0, 1], got {self.top_p}; "
+                             f"pass --top-p 0.9 for a typical nucleus or 1 for none")
 
 
 def run(ctx: ProbeContext) -> SourceResult:
@@ -40,7 +59,8 @@ def run(ctx: ProbeContext) -> SourceResult:
     from mismatch.engines.scorer import score
 
     cfg = ctx.cfg
-    params = ctx.sampling_params(top_p=cfg.top_p)  # what the masks below are computed with
+    top_p = cfg.sampling.top_p
+    params = ctx.sampling_params(top_p=top_p)  # what the masks below are computed with
     prompts = ctx.prompts[:cfg.subset_prompts]
     batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
     tallies = {"processed": Tally(), "raw": Tally(), "mask_replay": Tally()}
@@ -48,12 +68,12 @@ def run(ctx: ProbeContext) -> SourceResult:
     model = ctx.model(ctx.trainer.compute_dtype)
     for i, batch in enumerate(batches):
         ro = ctx.generate(ctx.sampler, batch,
-                          params=ctx.sampling_params(top_p=cfg.top_p, seed=cfg.seed + 7919 + i))
+                          params=ctx.sampling_params(top_p=top_p, seed=cfg.seed + 7919 + i))
         with apply_numerics(model, ctx.trainer, kernels=False):
             s = score(model, ro, with_routing=False, full_from=ro.prompt_width)
         mask = ctx.completion(ro, ro.completion_mask)
         b, w = mask.shape
-        mu = _pad_width(ro.full_logprobs, w)  # [B, W, V] the sampler's raw log-softmax
+        mu = pad_width(ro.full_logprobs, w)  # [B, W, V] the sampler's raw log-softmax
         pi = torch.zeros_like(mu)
         n = min(w, s.full_logprobs.shape[1])
         pi[:, :n] = s.full_logprobs[:, :n]
@@ -78,7 +98,7 @@ def run(ctx: ProbeContext) -> SourceResult:
         p_mu = (mu_s - torch.logsumexp(mu_s, -1, keepdim=True)).exp()
         delta = torch.where(keep, mu64 - pi64, torch.zeros_like(mu64))
         a = (p_mu * delta).sum(-1)
-        b2 = (p_mu * _second_order(delta)).sum(-1)
+        b2 = (p_mu * second_order(delta)).sum(-1)
         e_replay = a + torch.log1p(b2 - a)  # KL(μ_p‖π_S)
         pi_out = (pi64.exp() * ~keep).sum(-1)
         e_no = e_replay - torch.log1p(-pi_out.clamp(max=1 - 1e-12))  # KL(μ_p‖π)
@@ -96,15 +116,15 @@ def run(ctx: ProbeContext) -> SourceResult:
     seed = cfg.seed
     parts = {k: t.summary(seed) for k, t in tallies.items()}
     extra = {
-        "top_p": cfg.top_p,
+        "top_p": top_p,
         "sampler_mass_outside": outside_sampler / max(n_tok, 1),
         "outside_trainer_top_p_fraction": outside_trainer / max(n_tok, 1),
         "trainer_mass_on_support": trainer_mass / max(n_tok, 1),
         "processed_minus_raw_mean": bias / max(n_tok, 1),
-        "bias_bound": -math.log(cfg.top_p),
+        "bias_bound": -math.log(top_p),
         "tokens": n_tok,
     }
-    notes = [f"The {ctx.spec.label} sampler drew with top-p {cfg.top_p} on the first "
+    notes = [f"The {ctx.spec.label} sampler drew with top-p {top_p} on the first "
              f"{len(prompts)} prompts; the trainer scored the full vocabulary. Headline: "
              f"`processed` — the trainer's raw log-probs against the distribution the tokens "
              f"were drawn from; `mask_replay` renormalizes the trainer over the same support.",

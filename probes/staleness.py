@@ -4,32 +4,17 @@ In asynchronous RL the sampler serves weights θ_{j−k} while the trainer compu
 θ_j. This probe measures what that costs in the same units as the numerics sources, with the
 numerics held fixed so that only the weights differ:
 
-1. Checkpoints θ_0 … θ_K, either
-   - generated (default): the trainer model is deep-copied into an FP32 master (the shared model
-     is never touched) and K real AdamW steps (lr = `staleness_lr`, betas (0.9, 0.999), weight
-     decay 0, gradient-norm clip 1) of a GRPO policy-gradient update are taken on the zoo's
-     training tasks (`mismatch.zoo.tasks`, split "train", rendered with the chat template and
-     `TOOLS` as the probe renders its prompts). Each step samples a group of
-     `GROUP_SIZE` completions (temperature 1, at most `TRAIN_MAX_NEW_TOKENS` tokens: one
-     assistant turn) for each of `PROMPTS_PER_STEP` prompts from the current policy θ_j — the
-     served-dtype cast of the master, decoded by the emulated sampler in the trainer numerics.
-     Reward: 1 when the first reply is a well-formed `calc` call whose expression the tool
-     evaluates to the value of the task's gold first expression, else 0 (the first step of the
-     episode in `mismatch.zoo.episode`; the final `submit` reward needs that value). Advantages
-     are group-normalized without std normalization (NUMERICS.md §5's GRPO baseline), the loss
-     is REINFORCE, −A·Σ_t log π(y_t), averaged over the batch's completion tokens, computed on
-     the FP32 master (rows with zero advantage add exactly nothing to it and are not run). A
-     batch in which every group's rewards are equal carries no gradient; it is replaced by a
-     fresh batch of prompts, `MAX_DRAWS` batches at most (a coarse form of DAPO's dynamic
-     sampling), after which the step is taken anyway (a real AdamW step, zero gradient). After
-     step j the master is cast to the serving dtype (BF16 by default): that cast is θ_j, what a
-     sampler would serve. At lr 1e-5 most BF16 elements do not move in one step (the update is
-     below half a BF16 ulp of all but the smallest weights), so the share of elements whose
-     cast changed is recorded per step (and against the trainer per lag): it shows that, and
-     how much, the served weights moved.
-   - the user's checkpoints (`staleness_checkpoints`): the subdirectories of that directory,
-     naturally sorted by name (step_9 before step_10), each a Hugging Face model directory; the
-     last is the trainer and lag k is the k-th before it, K = min(`staleness_max_lag`, n − 1).
+1. Checkpoints θ_0 … θ_K, from a `Ladder`, either
+   - generated (default): K real policy-gradient steps taken with train's own loss, built in the
+     train layer (mismatch.train.ladder.PolicyGradientLadder) and passed in by the application
+     layer that wires the probe (mismatch.app.sources). At lr 1e-5 most BF16 elements do not
+     move in one step (the update is below half a BF16 ulp of all but the smallest weights), so
+     the share of elements whose cast changed is recorded per step (and against the trainer
+     per lag): it shows that, and how much, the served weights moved.
+   - the user's checkpoints (`StalenessConfig.checkpoints`): the subdirectories of that
+     directory, naturally sorted by name (step_9 before step_10), each a Hugging Face model
+     directory; the last is the trainer and lag k is the k-th before it,
+     K = min(`StalenessConfig.max_lag`, n − 1).
 
 2. For each lag k, the stale policy θ_{K−k} samples the first `subset_prompts` probe prompts
    (KV-cache decode path, trainer numerics, reference attention; the same sampling seeds at
@@ -55,48 +40,76 @@ parameter models) moves a 2M-parameter BF16 policy by rounding noise only.
 
 from __future__ import annotations
 
-import copy
-import itertools
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from mismatch.records import Rollout
 
-from .base import (
-    _TORCH_DTYPES,
-    Evaluation,
-    ProbeContext,
-    SourceResult,
-    Tally,
-    _pad_width,
-)
+from .base import TORCH_DTYPES, Evaluation, SourceResult, pad_width
+from .context import ProbeContext
+from .errors import ProbeError
+from .tally import Tally
 
-__all__ = ["GROUP_SIZE", "MAX_DRAWS", "PROMPTS_PER_STEP", "TRAIN_MAX_NEW_TOKENS", "run"]
-
-GROUP_SIZE = 4
-"""Completions sampled per prompt (one GRPO group)."""
-PROMPTS_PER_STEP = 8
-"""Training prompts per optimizer step."""
-TRAIN_MAX_NEW_TOKENS = 64
-"""Cap of a training completion: one assistant turn (the gold first turn is 37-59 tokens)."""
-MAX_DRAWS = 4
-"""Batches drawn at most per step while every group's rewards are equal (no gradient)."""
-BETAS = (0.9, 0.999)
-GRAD_CLIP = 1.0
+__all__ = ["StalenessConfig", "Ladder", "run", "rows_of", "fraction_changed"]
 
 
-def run(ctx: ProbeContext) -> SourceResult:
-    """KL(θ_{K−k} ‖ θ_K) on the stale sampler's tokens for k = 0 … K."""
+@dataclass(frozen=True, kw_only=True)
+class StalenessConfig:
+    """What the staleness probe measures."""
+
+    max_lag: int = 8
+    """Largest staleness (optimizer steps behind the trainer) measured."""
+    lr: float = 1e-4
+    """AdamW learning rate of the generated policy-gradient steps."""
+    checkpoints: Path | None = None
+    """A directory of the user's checkpoints in training order (replaces the generated steps)."""
+
+    def __post_init__(self) -> None:
+        if self.max_lag < 1:
+            raise ProbeError(f"the staleness probe's largest lag must be >= 1, got "
+                             f"{self.max_lag}; pass --staleness-max-lag 8 for the study's range")
+        if not self.lr > 0:
+            raise ProbeError(f"the staleness probe's learning rate must be > 0, got {self.lr}; "
+                             f"pass --staleness-lr 1e-4 (the default)")
+
+
+class Ladder(Protocol):
+    """θ_0 … θ_K: the trainer θ_K and the stale policies behind it."""
+
+    k_max: int
+    setup_work: int
+    """Progress ticks `prepare` makes."""
+    lr: float | None
+    source: str
+    changed_fraction: list[float]
+    """Share of served elements each step changed, in training order."""
+    mean_reward: list[float]
+
+    def prepare(self, tick: Callable[[], None]) -> None: ...
+    def trainer(self) -> torch.nn.Module: ...
+    def stale(self, k: int) -> torch.nn.Module: ...
+    def notes(self, kl: list[float]) -> list[str]: ...
+
+
+def run(ctx: ProbeContext, *,
+        ladder: Callable[[ProbeContext], Ladder] | None = None) -> SourceResult:
+    """KL(θ_{K−k} ‖ θ_K) on the stale sampler's tokens for k = 0 … K. The checkpoints are
+    the user's (`StalenessConfig.checkpoints`) or `ladder(ctx)`'s, the generated steps."""
     cfg = ctx.cfg
     n_batches = -(-min(cfg.subset_prompts, len(ctx.prompts)) // cfg.batch_size)
-    if cfg.staleness_checkpoints is not None:
-        policies: _Generated | _Checkpoints = _Checkpoints(ctx, Path(cfg.staleness_checkpoints))
+    if cfg.staleness.checkpoints is not None:
+        policies: Ladder = _Checkpoints(ctx, Path(cfg.staleness.checkpoints))
+    elif ladder is not None:
+        policies = ladder(ctx)
     else:
-        policies = _Generated(ctx)
+        raise ProbeError("the staleness probe needs checkpoints: pass --staleness-checkpoints, "
+                         "or run it through `mismatch probe --sources staleness`, which "
+                         "generates policy-gradient steps")
     k_max = policies.k_max
     total = policies.setup_work + (k_max + 1) * n_batches
     done = 0
@@ -113,7 +126,7 @@ def run(ctx: ProbeContext) -> SourceResult:
     moved: dict[str, float] = {}
     for k in range(k_max + 1):
         stale = policies.stale(k)
-        moved[str(k)] = _changed_fraction(_weights(stale), _weights(trainer))
+        moved[str(k)] = fraction_changed(_weights(stale), _weights(trainer))
         tallies[k] = _measure(ctx, stale, trainer, trainer_scores, tick)
     summaries = {k: t.summary(seed=cfg.seed) for k, t in tallies.items()}
     extra = {
@@ -128,7 +141,7 @@ def run(ctx: ProbeContext) -> SourceResult:
         "bf16_changed_fraction_vs_trainer_by_lag": moved,
         "mean_reward_by_step": policies.mean_reward,
     }
-    if isinstance(policies, _Generated):
+    if hasattr(policies, "informative_groups"):  # generated steps: groups with a reward spread
         extra["informative_groups_by_step"] = policies.informative_groups
     kl = [summaries[k]["kl_exact"] for k in range(k_max + 1)]
     return SourceResult(name="staleness", headline=summaries[1],
@@ -189,7 +202,7 @@ def _measure(ctx: ProbeContext, stale: torch.nn.Module, trainer: torch.nn.Module
                                eos_ids=ctx.eos_ids, label=f"{ctx.trainer.label} stale",
                                with_routing=False)
         for r0 in range(0, rollout.token_ids.shape[0], cfg.batch_size):
-            part = _rows(rollout, torch.arange(r0, min(r0 + cfg.batch_size,
+            part = rows_of(rollout, torch.arange(r0, min(r0 + cfg.batch_size,
                                                        rollout.token_ids.shape[0])))
             mu = _score(ctx, stale, part)
             pi = trainer_scores.evaluate(ctx, trainer, index, part)
@@ -199,7 +212,7 @@ def _measure(ctx: ProbeContext, stale: torch.nn.Module, trainer: torch.nn.Module
     return tally
 
 
-def _rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
+def rows_of(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     """Rows of a rollout as if they had been sampled alone: columns that are padding in every
     one of them (left of the longest prompt, right of the longest completion) are dropped."""
     pw = rollout.prompt_width
@@ -228,10 +241,10 @@ def _score(ctx: ProbeContext, model: torch.nn.Module, rollout: Rollout) -> Evalu
     with apply_numerics(model, ctx.trainer, kernels=False):
         s = score(model, rollout, with_routing=False, full_from=pw)
     return Evaluation(logprobs=ctx.completion(rollout, s.logprobs),
-                      full=_pad_width(s.full_logprobs, ctx.width))
+                      full=pad_width(s.full_logprobs, ctx.width))
 
 
-def _changed_fraction(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def fraction_changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Share of weight elements that differ between two state dicts of one architecture."""
     changed = sum(int((a[n] != b[n]).sum()) for n in a)
     return changed / sum(t.numel() for t in a.values())
@@ -242,177 +255,6 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------ generated
-
-
-class _Generated:
-    """θ_0 … θ_K from K real AdamW steps of GRPO on the zoo's training tasks."""
-
-    source = "generated AdamW steps"
-
-    def __init__(self, ctx: ProbeContext) -> None:
-        self.ctx = ctx
-        self.k_max = ctx.cfg.staleness_max_lag
-        self.setup_work = self.k_max
-        self.lr = ctx.cfg.staleness_lr
-        self.changed_fraction: list[float] = []
-        self.mean_reward: list[float] = []
-        self.informative_groups: list[int] = []
-        self._snapshots: list[dict[str, torch.Tensor]] = []
-        self._serve_dtype = _TORCH_DTYPES[ctx.trainer.compute_dtype]
-        shared = ctx.model(ctx.trainer.compute_dtype)
-        self._working = copy.deepcopy(shared)  # the stale sampler: θ_j loaded in turn
-        self._trainer = copy.deepcopy(shared)  # θ_K once the steps are taken
-        self._tasks_used = 0
-
-    def prepare(self, tick: Callable[[], None]) -> None:
-        ctx = self.ctx
-        master = copy.deepcopy(ctx.model(ctx.trainer.compute_dtype)).float()
-        optimizer = torch.optim.AdamW(master.parameters(), lr=self.lr, betas=BETAS,
-                                      weight_decay=0.0, foreach=False)
-        self._snapshots.append(self._cast(master))
-        for step in range(self.k_max):
-            _load(self._working, self._snapshots[-1])
-            rollout, advantages, rewards, informative = self._draw(step)
-            rows = advantages.nonzero()[:, 0]
-            if rows.numel():  # rows with A = 0 add exactly nothing to the gradient: skip them
-                with torch.enable_grad():
-                    _policy_gradient_loss(master, _rows(rollout, rows), advantages[rows],
-                                          tokens=float(rollout.completion_mask.sum())).backward()
-                torch.nn.utils.clip_grad_norm_(master.parameters(), GRAD_CLIP)
-            else:  # a zero gradient, still a step: AdamW skips parameters without a .grad
-                for p in master.parameters():
-                    p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            self._snapshots.append(self._cast(master))
-            self.changed_fraction.append(_changed_fraction(self._snapshots[-1],
-                                                           self._snapshots[-2]))
-            self.mean_reward.append(float(rewards.mean()))
-            self.informative_groups.append(informative)
-            tick()
-        _load(self._trainer, self._snapshots[-1])
-
-    def _cast(self, master: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {n: p.detach().to(self._serve_dtype).clone()
-                for n, p in master.named_parameters()}
-
-    def _draw(self, step: int):
-        """One step's batch: (rollout, advantages [B], rewards [B], informative groups).
-
-        A batch whose groups all have equal rewards is replaced by fresh prompts, at most
-        MAX_DRAWS batches in all (the last one drawn is used either way)."""
-        from mismatch.zoo.tasks import generate_tasks
-
-        ctx = self.ctx
-        for draw in range(MAX_DRAWS):
-            tasks = generate_tasks("train", PROMPTS_PER_STEP, start=self._tasks_used)
-            self._tasks_used += PROMPTS_PER_STEP
-            rollout = self._sample(tasks, seed=ctx.cfg.seed + 10_000 + 100 * step + draw)
-            texts = _completions(ctx.tokenizer, rollout)
-            rewards = torch.tensor([_reward(tasks[i // GROUP_SIZE], text)
-                                    for i, text in enumerate(texts)]).view(-1, GROUP_SIZE)
-            informative = int((rewards.amax(1) > rewards.amin(1)).sum())
-            if informative:
-                break
-        advantages = rewards - rewards.mean(1, keepdim=True)  # GRPO, no std normalization
-        return rollout, advantages.reshape(-1), rewards.reshape(-1), informative
-
-    def _sample(self, tasks, *, seed: int):
-        from mismatch.engines.numerics import apply_numerics
-        from mismatch.engines.sampler import generate
-
-        ctx = self.ctx
-        prompts = [p for p in _render(ctx.tokenizer, tasks) for _ in range(GROUP_SIZE)]
-        params = ctx.sampling_params(max_new_tokens=TRAIN_MAX_NEW_TOKENS, temperature=1.0,
-                                     top_p=1.0, seed=seed)
-        with apply_numerics(self._working, ctx.trainer, kernels=False):
-            return generate(self._working, prompts, params, pad_id=ctx.pad_id,
-                            eos_ids=ctx.eos_ids, label=f"{ctx.trainer.label} policy",
-                            with_routing=False)
-
-    def trainer(self) -> torch.nn.Module:
-        return self._trainer
-
-    def stale(self, k: int) -> torch.nn.Module:
-        _load(self._working, self._snapshots[self.k_max - k])
-        return self._working
-
-    def notes(self, kl: list[float]) -> list[str]:
-        dtype = self.ctx.trainer.compute_dtype.upper()
-        out = [(f"KL(μ‖π) of a sampler serving the {dtype} weights of k real AdamW steps ago "
-                f"(μ) against the trainer's current weights (π), both scoring the stale "
-                f"sampler's tokens teacher-forced in the trainer numerics; the {self.k_max} "
-                f"steps are GRPO policy-gradient updates on the zoo's training tasks at lr "
-                f"{self.lr:g}.")]
-        if any(b < a for a, b in itertools.pairwise(kl[1:])):
-            share = sum(self.changed_fraction) / len(self.changed_fraction)
-            out.append(f"KL does not grow steadily with the lag here: a step changes only "
-                       f"{share:.1%} of the served {dtype} elements, those whose FP32 master "
-                       f"crosses a rounding midpoint, and they can flip back on a later step, "
-                       f"so rounding moves the served policy about as much as the update does "
-                       f"(a larger learning rate gives steady growth).")
-        flat = [j + 1 for j, n in enumerate(self.informative_groups) if n == 0]
-        if flat:
-            out.append(f"Steps {flat} drew no group with a reward spread in {MAX_DRAWS} "
-                       f"batches: their gradient was zero (the weights moved only by "
-                       f"AdamW's momentum, if at all).")
-        return out
-
-
-def _render(tokenizer, tasks) -> list[list[int]]:
-    """Task prompts as the probe renders its own (chat template with the zoo's tools)."""
-    from mismatch.probes.config import ProbeError
-    from mismatch.zoo.tasks import TOOLS
-
-    if not getattr(tokenizer, "chat_template", None):
-        raise ProbeError("the staleness probe's generated steps train on the zoo's tool-use "
-                         "tasks and need a tokenizer with a chat template, which this model's "
-                         "has not; pass --staleness-checkpoints with your own checkpoints "
-                         "instead")
-    return [list(tokenizer.apply_chat_template(t.prompt_messages(), tools=TOOLS,
-                                               add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)) for t in tasks]
-
-
-def _completions(tokenizer, rollout) -> list[str]:
-    """The text of each sampled completion (through its end-of-turn token)."""
-    pw = rollout.prompt_width
-    ids, keep = rollout.token_ids[:, pw:], rollout.completion_mask[:, pw:].bool()
-    return [tokenizer.decode(row[m].tolist(), skip_special_tokens=False)
-            for row, m in zip(ids, keep)]
-
-
-def _reward(task, text: str) -> float:
-    """1.0 when the reply's first tool call is `calc` and returns the gold first value."""
-    from mismatch.zoo.tool_calls import execute_call, parse_reply
-    from mismatch.zoo.tool_lang import evaluate
-
-    calls = parse_reply(text).tool_calls
-    if not calls or calls[0].name != "calc":
-        return 0.0
-    result = execute_call(calls[0])["content"]
-    return 1.0 if result == str(evaluate(task.expressions[0])) else 0.0
-
-
-def _policy_gradient_loss(model: torch.nn.Module, rollout: Rollout, advantages: torch.Tensor,
-                          *, tokens: float) -> torch.Tensor:
-    """REINFORCE: −Σ A·log π(y_t) over the rollout's completion tokens, divided by `tokens`
-    (the completion tokens of the whole batch the rows were drawn from)."""
-    from mismatch.engines.scorer import position_ids
-
-    ids, mask = rollout.token_ids, rollout.attention_mask
-    n = ids.shape[1] - rollout.prompt_width  # completion width
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                   logits_to_keep=n + 1).logits[:, :-1].float()
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, -n:, None])[..., 0]
-    completion = rollout.completion_mask[:, -n:]
-    return -(advantages[:, None] * completion * lp).sum() / max(tokens, 1.0)
-
-
-@torch.no_grad()
-def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    for name, p in model.named_parameters():
-        p.copy_(weights[name])
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -428,7 +270,6 @@ class _Checkpoints:
     setup_work = 0
 
     def __init__(self, ctx: ProbeContext, root: Path) -> None:
-        from mismatch.probes.config import ProbeError
         from mismatch.zoo import ZooError, check_model_dir
 
         self.ctx = ctx
@@ -448,7 +289,7 @@ class _Checkpoints:
                 check_model_dir(d, tokenizer=False)
             except ZooError as exc:
                 raise ProbeError(f"checkpoint {d.name} is not loadable: {exc}") from None
-        self.k_max = min(ctx.cfg.staleness_max_lag, len(dirs) - 1)
+        self.k_max = min(ctx.cfg.staleness.max_lag, len(dirs) - 1)
         self.dirs = dirs[len(dirs) - 1 - self.k_max:]  # θ_0 … θ_K
         self.source = f"checkpoints: {root}"
         self.lr: float | None = None  # unknown: whatever trained the checkpoints
@@ -463,12 +304,11 @@ class _Checkpoints:
         self._trainer = self._load(self.k_max)
 
     def _load(self, index: int) -> torch.nn.Module:
-        from mismatch.probes.config import ProbeError
         from mismatch.zoo import load_model
 
         path = self.dirs[index]
         try:
-            model = load_model(path, dtype=_TORCH_DTYPES[self.ctx.trainer.compute_dtype])
+            model = load_model(path, dtype=TORCH_DTYPES[self.ctx.trainer.compute_dtype])
         except Exception as exc:  # noqa: BLE001 — any loader failure is bad user input here
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ProbeError(f"checkpoint {path.name} is not loadable ({reason}); every "
@@ -494,7 +334,7 @@ class _Checkpoints:
         model = self._load(self.k_max - k)
         weights = _weights(model)
         if self._previous is not None:
-            self._changed_back.append(_changed_fraction(self._previous, weights))
+            self._changed_back.append(fraction_changed(self._previous, weights))
             self.changed_fraction = self._changed_back[::-1]  # training order
         self._previous = weights
         return model

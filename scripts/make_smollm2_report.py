@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from mismatch.io import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = [("b200", "nvfp4", None), ("b300", "nvfp4", None), ("h100", "fp8", None),
@@ -83,9 +84,7 @@ def main() -> None:
         "token mult. error | outside [0.5, 5] | split |",
         "|---|---|---|---|---|---|---|---|---|", *rows, "",
         f"Wall time: {(time.perf_counter() - t0) / 60:.1f} min on one thread.", ""])
-    tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, text)
     print(f"wrote {args.out}")
 
 

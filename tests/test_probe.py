@@ -51,9 +51,12 @@ def test_probe_json_schema_and_outputs(moe_dir, prompt_file, tmp_path):
         lo, hi = block["kl_exact_ci95"]
         assert 0 <= lo <= block["kl_exact"] <= hi
     assert s["total"]["kl_k3"] > 0 and s["sources"]["precision"]["kl_k3"] > 0
-    for name in ("results.json", "report.md", "log_ratio_hist.png", "per_position.png"):
-        assert (out / name).stat().st_size > 0
-    assert "EMULATED" in (out / "report.md").read_text()
+    written = json.loads((out / "results.json").read_text())
+    assert written.pop("command").startswith("mismatch") and written == s
+    for name in ("log_ratio_hist.png", "per_position.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    report = (out / "report.md").read_text()
+    assert "EMULATED" in report and f"{s['tokens']}" in report
     assert not list(tmp_path.glob(".run.tmp-*"))
 
 

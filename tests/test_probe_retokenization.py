@@ -8,20 +8,16 @@ import json
 import pytest
 import torch
 
+from mismatch.engines.episodes import Session, continuation_ids
 from mismatch.probes.config import ProbeConfig
+from mismatch.probes.context import ProbeContext
+from mismatch.probes.errors import ProbeError
+from mismatch.probes.multi_turn import measure_episodes
+from mismatch.probes.retokenization import RetokenizationConfig, run
+from mismatch.probes.round_trip import measure_round_trips, round_trip
 from mismatch.zoo.chat_template import continuation_text
 from mismatch.zoo.episode import NUDGE
 from mismatch.zoo.tasks import TOOLS, generate_tasks
-from mismatch.probes.base import ProbeContext
-from mismatch.probes.retokenization import (
-    RetokenizationConfig,
-    Session,
-    continuation_ids,
-    measure_episodes,
-    measure_round_trips,
-    round_trip,
-    run,
-)
 
 SMALL = RetokenizationConfig(episodes=4, questions=2, max_turns=2, turn_tokens=64)
 
@@ -30,7 +26,7 @@ SMALL = RetokenizationConfig(episodes=4, questions=2, max_turns=2, turn_tokens=6
 def ctx() -> ProbeContext:
     return ProbeContext(ProbeConfig(gpu="b200", dtype="bf16", n_prompts=8, subset_prompts=4,
                                     max_new_tokens=16, batch_size=4,
-                                    sources=("retokenization",)))
+                                    sources=("retokenization",), retokenization=SMALL))
 
 
 def _turn(thought: str, name: str, arguments: dict) -> str:
@@ -181,7 +177,7 @@ def test_run_tito_control_is_exactly_zero(ctx):
     seen = []
     ctx._progress = lambda label, done, total: seen.append((label, done, total))
     try:
-        result = run(ctx, render="tito", config=SMALL)
+        result = run(ctx, render="tito")
     finally:
         ctx._progress = None
     assert seen and seen[-1][1] == seen[-1][2] and {s[0] for s in seen} == {"retokenization"}
@@ -197,12 +193,14 @@ def test_run_tito_control_is_exactly_zero(ctx):
 
 
 def test_run_template_is_json_ready(ctx):
-    result = run(ctx, config=SMALL)
+    result = run(ctx)
     out = json.loads(json.dumps(result.to_json()))
     assert out["applies"] and result.name == "retokenization"
     assert out["render"] == "template" and out["sequences"] == ctx.cfg.subset_prompts
     assert out["sampled_tokens"] > 0 and out["episodes"] == SMALL.episodes
-    assert set(out["parts"]) >= {"decode_reencode", "multi_turn_template"}
+    for part in ("decode_reencode", "multi_turn_template"):
+        assert out["parts"][part]["tokens"] > 0 and out["parts"][part]["kl_exact"] >= 0, part
+    assert out["parts"]["multi_turn_template"] == result.headline
     assert 0 <= out["changed_token_fraction"] <= out["changed_sequence_fraction"] <= 1
     # a second question is a user message: the reasoning before it is dropped on re-rendering
     assert out["changed_episode_fraction"] > 0
@@ -210,3 +208,8 @@ def test_run_template_is_json_ready(ctx):
     assert out["kl_exact"] > 0 and result.log_ratio.numel() == out["tokens"]
     assert len(out["examples"]) <= 2 * SMALL.examples
     assert all(isinstance(n, str) and n for n in out["notes"])
+
+
+def test_config_errors_say_what_to_do():
+    with pytest.raises(ProbeError, match=r"got 0, 2, 4, 64, 2; leave them at their defaults"):
+        RetokenizationConfig(episodes=0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mismatch.app.probe as probe_mod
 from mismatch.app.probe import SPLIT, ProbeConfig, run_probe
 
 SMALL = dict(n_prompts=16, max_new_tokens=24, batch_size=16, threads=1, emulate=True)
@@ -21,16 +20,18 @@ def _half(col: dict) -> float:
 
 @pytest.fixture(scope="module")
 def nvfp4():
-    """A b200 nvfp4 probe of one batch, with the rollout it scored, the rows exact_split saw
-    and the per-position KL it returned."""
+    """A b200 nvfp4 probe of one batch, with the rollout it scored, each configuration's rows at
+    the completion positions [B, W, V] and the per-position exact KL [B, W] of each column, as
+    the tallies computed them (exact_kl is called once per column, in SPLIT order)."""
     import mismatch.engines.scorer as scorer
+    import mismatch.probes.tally as tally_mod
 
-    seen: dict = {"rollouts": [], "split": []}
-    real_split, real_score = probe_mod.exact_split, scorer.score
+    seen: dict = {"rollouts": [], "exact": []}
+    real_exact, real_score = tally_mod.exact_kl, scorer.score
 
-    def split_spy(full, width):
-        out = real_split(full, width)
-        seen["split"].append(({k: v.clone() for k, v in full.items()}, out))
+    def exact_spy(mu_rows, pi_rows):
+        out = real_exact(mu_rows, pi_rows)
+        seen["exact"].append((mu_rows.clone(), pi_rows.clone(), out))
         return out
 
     def score_spy(model, rollout, **kw):
@@ -38,11 +39,20 @@ def nvfp4():
         return real_score(model, rollout, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(probe_mod, "exact_split", split_spy)
-        mp.setattr(scorer, "score", score_spy)  # run_probe imports it at call time
+        mp.setattr(tally_mod, "exact_kl", exact_spy)
+        mp.setattr(scorer, "score", score_spy)  # the context imports it at call time
         result = run_probe(ProbeConfig(gpu="b200", dtype="nvfp4", **SMALL))
-    assert len(seen["split"]) == 1 and len(seen["rollouts"]) == 2  # one batch, two scorings
-    return result, seen["rollouts"][0], *seen["split"][0]
+    assert len(seen["exact"]) == 3 and len(seen["rollouts"]) == 2  # one batch, two scorings
+    rollout = seen["rollouts"][0]
+    b, w = rollout.token_ids.shape[0], SMALL["max_new_tokens"]
+    calls = dict(zip(SPLIT, seen["exact"]))
+    full = {"sampler": calls["total"][0], "trainer": calls["total"][1],
+            "precision": calls["precision"][0]}
+    full = {k: v.view(b, w, -1) for k, v in full.items()}
+    assert torch.equal(calls["accelerator"][0], calls["total"][0])  # μ: the sampler's rows
+    assert torch.equal(calls["accelerator"][1], calls["precision"][0])  # π: the precision's
+    exact = {name: out.view(b, w) for name, (_, _, out) in calls.items()}
+    return result, rollout, full, exact
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +87,8 @@ def test_exact_kl_per_position_equals_a_float64_reference(nvfp4):
     ids = rollout.token_ids[:, pw:]
     mask = rollout.completion_mask[:, pw:].bool()
     b, n = ids.shape
-    assert all(rows.shape[:2] == (b, n) for rows in full.values())
+    assert all(rows.shape[0] == b and rows.shape[1] >= n for rows in full.values())
+    full = {k: rows[:, :n] for k, rows in full.items()}
     # the rows line up with the tokens: at each sampled token they give its log-prob
     at = {k: rows.gather(-1, ids[..., None])[..., 0] for k, rows in full.items()}
     assert torch.allclose(at["sampler"][mask], rollout.sampler_logprobs[:, pw:][mask],

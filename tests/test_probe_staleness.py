@@ -1,5 +1,6 @@
-"""The staleness probe: generated AdamW steps on the embedded model, checkpoint directories of a
-tiny random Qwen3-MoE, and the one-line errors for bad checkpoint directories."""
+"""The staleness probe: generated AdamW steps on the embedded model (the train layer's ladder, as
+`mismatch probe --sources staleness` wires it), checkpoint directories of a tiny random
+Qwen3-MoE, and the one-line errors for bad checkpoint directories and options."""
 
 from __future__ import annotations
 
@@ -11,15 +12,26 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
-from mismatch.probes.config import ProbeConfig, ProbeError
-from mismatch.zoo import load_model
 from mismatch.probes import staleness
-from mismatch.probes.base import ProbeContext
+from mismatch.probes.config import ProbeConfig
+from mismatch.probes.context import ProbeContext
+from mismatch.probes.errors import ProbeError
+from mismatch.probes.staleness import StalenessConfig
+from mismatch.train.ladder import PolicyGradientLadder
+from mismatch.zoo import load_model
+
+STALENESS_FIELDS = ("max_lag", "lr", "checkpoints")
 
 
 def _context(progress=None, **fields) -> ProbeContext:
-    return ProbeContext(ProbeConfig(gpu="b200", dtype="bf16", sources=("staleness",), **fields),
+    own = {k: fields.pop(f"staleness_{k}") for k in STALENESS_FIELDS if f"staleness_{k}" in fields}
+    return ProbeContext(ProbeConfig(gpu="b200", dtype="bf16", sources=("staleness",),
+                                    staleness=StalenessConfig(**own), **fields),
                         progress=progress)
+
+
+def _run(ctx: ProbeContext):
+    return staleness.run(ctx, ladder=PolicyGradientLadder)
 
 
 def _kl(result, key: str = "kl_exact_by_lag") -> dict[int, float]:
@@ -61,7 +73,7 @@ def test_generated_steps_grow_kl_and_lag_zero_is_exact():
     ctx = _context(progress=lambda *a: calls.append(a), n_prompts=16, subset_prompts=16,
                    batch_size=8, max_new_tokens=16, staleness_max_lag=3, staleness_lr=1e-4)
     shared = {n: p.detach().clone() for n, p in ctx.model("bf16").named_parameters()}
-    res = staleness.run(ctx)
+    res = _run(ctx)
     kl, k3 = _kl(res), _kl(res, "kl_k3_by_lag")
     assert kl[0] == 0.0 and k3[0] == 0.0
     assert res.parts["lag 0"]["abs_logprob_diff_max"] == 0.0
@@ -86,7 +98,7 @@ def test_generated_steps_grow_kl_and_lag_zero_is_exact():
 
 def test_default_learning_rate_moves_the_served_weights():
     ctx = _context(n_prompts=8, subset_prompts=8, max_new_tokens=8, staleness_max_lag=1)
-    res = staleness.run(ctx)
+    res = _run(ctx)
     assert res.extra["lr"] == 1e-4
     assert 0 < res.extra["bf16_changed_fraction_by_step"][0] < 0.5
     assert _kl(res)[0] == 0.0 and _kl(res)[1] > 0
@@ -95,7 +107,7 @@ def test_default_learning_rate_moves_the_served_weights():
 def test_identical_checkpoints_give_zero(tiny, tmp_path):
     for name in ("ckpt_a", "ckpt_b"):
         shutil.copytree(tiny[0], tmp_path / name)
-    res = staleness.run(_tiny_context(tiny, tmp_path))
+    res = _run(_tiny_context(tiny, tmp_path))
     assert res.extra["steps"] == 1 and res.extra["source"] == f"checkpoints: {tmp_path}"
     assert res.extra["lr"] is None and res.extra["mean_reward_by_step"] == []
     assert res.extra["bf16_changed_fraction_by_step"] == [0.0]
@@ -109,7 +121,7 @@ def test_different_checkpoints_in_natural_order(tiny, tmp_path):
     shutil.copytree(tiny[0], tmp_path / "step_2")
     _perturbed(tiny[0], tmp_path / "step_9")
     shutil.copytree(tiny[0], tmp_path / "step_10")
-    res = staleness.run(_tiny_context(tiny, tmp_path))
+    res = _run(_tiny_context(tiny, tmp_path))
     kl = _kl(res)
     assert res.extra["steps"] == 2
     assert kl[0] == 0.0 and kl[1] > 1e-6 and kl[2] == 0.0
@@ -124,13 +136,13 @@ def test_max_lag_keeps_the_last_checkpoints(tiny, tmp_path):
     _perturbed(tiny[0], tmp_path / "a")
     shutil.copytree(tiny[0], tmp_path / "b")
     shutil.copytree(tiny[0], tmp_path / "c")
-    res = staleness.run(_tiny_context(tiny, tmp_path, staleness_max_lag=1))
+    res = _run(_tiny_context(tiny, tmp_path, staleness_max_lag=1))
     assert res.extra["steps"] == 1 and _kl(res) == {0: 0.0, 1: 0.0}  # "a" is 2 behind: unused
 
 
 def _check_one_line_error(ctx: ProbeContext, needle: str) -> None:
     with pytest.raises(ProbeError) as err:
-        staleness.run(ctx)
+        _run(ctx)
     assert "\n" not in str(err.value) and needle in str(err.value), str(err.value)
 
 
@@ -164,3 +176,22 @@ def test_bad_checkpoint_directories(tiny, tmp_path):
 
 def test_generated_steps_need_a_chat_template(tiny):
     _check_one_line_error(_tiny_context(tiny, None), "need a tokenizer with a chat template")
+
+
+def test_options_are_checked_where_the_probe_owns_them():
+    with pytest.raises(ProbeError, match="largest lag must be >= 1, got 0; pass --staleness-max"):
+        StalenessConfig(max_lag=0)
+    with pytest.raises(ProbeError, match="learning rate must be > 0, got -1.0; pass"):
+        StalenessConfig(lr=-1.0)
+
+
+def test_generated_steps_come_from_the_train_layer():
+    """Without checkpoints or a ladder the probes layer has no way to train: a one-line error."""
+    ctx = _context(n_prompts=4, subset_prompts=4, max_new_tokens=4, staleness_max_lag=1)
+    _check_one_line_error_plain(ctx, "pass --staleness-checkpoints")
+
+
+def _check_one_line_error_plain(ctx: ProbeContext, needle: str) -> None:
+    with pytest.raises(ProbeError) as err:
+        staleness.run(ctx)
+    assert "\n" not in str(err.value) and needle in str(err.value), str(err.value)

@@ -17,10 +17,13 @@ from mismatch.probes.config import ProbeConfig
 from mismatch.probes import SOURCES, parse_sources
 from mismatch.fleets import fleet_groups
 from mismatch.probes.accelerator import AcceleratorProbe
-from mismatch.probes.base import Evaluation, ProbeContext, Tally, Variant, with_spec
+from mismatch.probes.base import Evaluation, Variant, with_spec
+from mismatch.probes.context import ProbeContext
+from mismatch.probes.tally import Tally
 from mismatch.probes.kernels import KernelsProbe
 from mismatch.probes.ladder import LadderProbe
 from mismatch.probes.routing import RoutingProbe, routing_flips
+from mismatch.probes.sampling import SamplingConfig
 
 runner = CliRunner()
 
@@ -111,7 +114,10 @@ def test_kernels_probe_known_answers(moe_dir, prompt_file):
     for name in ("decode", "attention", "router_fp32"):
         assert r.parts[name]["abs_logprob_diff_max"] > 0, name
     assert r.headline["kl_exact"] > 0
-    assert set(r.to_json()) >= {"kl_exact", "kl_exact_ci95", "kl_k3", "parts", "notes"}
+    out = r.to_json()
+    assert (out["kl_exact"], out["kl_k3"]) == (r.headline["kl_exact"], r.headline["kl_k3"])
+    assert out["kl_exact_ci95"] == r.headline["kl_exact_ci95"] and out["parts"] == r.parts
+    assert out["notes"] == r.notes and all(isinstance(n, str) and n for n in out["notes"])
 
 
 def test_split_k_changes_only_the_fp32_summation_order():
@@ -148,8 +154,10 @@ def test_split_k_of_one_is_the_reference(ctx, batch):
 
 
 def test_routing_replay_removes_the_routing_term(ctx, batch):
-    """A sampler that differs from the trainer *only* in its routing (some experts swapped):
-    without replay the trainer disagrees; replaying the sampler's experts gives exactly 0."""
+    """A sampler that differs from the trainer *only* in its routing (layer 0's experts swapped
+    at every third position). Without replay the trainer routes by itself: its own experts, so
+    the forged ones are flipped and its log-probs are the plain trainer's. With replay it uses
+    the sampler's experts: no flips, and the log-probs move by exactly the routing term."""
     trainer = ctx.evaluate(ctx.reference, batch)
     routing = trainer.routing.clone()
     n_exp = 8
@@ -160,14 +168,21 @@ def test_routing_replay_removes_the_routing_term(ctx, batch):
     assert bool(ok.all())  # still k distinct experts
     forged = type(batch)(index=99, prompts=batch.prompts, rollout=batch.rollout, mask=batch.mask)
     forged.rollout = type(batch.rollout)(**{**batch.rollout.__dict__, "routed_experts": routing})
-    sampler = ctx._evaluate(Variant(spec=ctx.trainer, replay=True), forged)  # routes as forged
+    without = ctx._evaluate(Variant(spec=ctx.trainer, replay=False), forged)
     replayed = ctx._evaluate(Variant(spec=ctx.trainer, replay=True), forged)
-    no_replay, with_replay = Tally(), Tally()
-    no_replay.add(trainer, sampler, batch.mask)
-    with_replay.add(replayed, sampler, batch.mask)
-    assert no_replay.summary()["kl_exact"] > 0
-    assert with_replay.summary()["kl_exact"] == 0
-    per_layer, any_layer, n = routing_flips(routing, trainer.routing, batch.rollout.attention_mask)
+    real = batch.rollout.attention_mask
+    # what replay changes: the experts (the sampler's instead of the trainer's own) ...
+    _, flips_without, n = routing_flips(routing, without.routing, real)
+    _, flips_replayed, _ = routing_flips(routing, replayed.routing, real)
+    assert 0 < flips_without <= n and flips_replayed == 0
+    assert torch.equal(without.routing, trainer.routing)
+    # ... and through them the log-probs; without replay nothing differs from the trainer
+    same, moved = Tally(), Tally()
+    same.add(trainer, without, batch.mask)
+    moved.add(without, replayed, batch.mask)
+    assert same.summary()["kl_exact"] == 0 and same.summary()["abs_logprob_diff_max"] == 0
+    assert moved.summary()["kl_exact"] > 0 and moved.summary()["abs_logprob_diff_max"] > 0
+    per_layer, any_layer, n = routing_flips(routing, trainer.routing, real)
     assert per_layer[0] > 0 and per_layer[1] == 0 and 0 < any_layer <= n
 
 
@@ -238,7 +253,7 @@ def test_ladder_of_the_trainer_configuration_is_flat(moe_dir, prompt_file):
 def test_sampling_probe_top_p_one_is_raw(moe_dir, prompt_file):
     from mismatch.probes import sampling
 
-    ctx = _ctx(moe_dir, prompt_file, gpu="b200", dtype="bf16", top_p=1.0, n_prompts=4)
+    ctx = _ctx(moe_dir, prompt_file, gpu="b200", dtype="bf16", sampling=SamplingConfig(top_p=1.0), n_prompts=4)
     r = sampling.run(ctx)
     assert r.extra["sampler_mass_outside"] == pytest.approx(0, abs=1e-6)
     assert r.extra["processed_minus_raw_mean"] == pytest.approx(0, abs=1e-6)
@@ -248,7 +263,7 @@ def test_sampling_probe_top_p_one_is_raw(moe_dir, prompt_file):
 def test_sampling_probe_top_p_bias_is_bounded(moe_dir, prompt_file):
     from mismatch.probes import sampling
 
-    ctx = _ctx(moe_dir, prompt_file, gpu="b200", dtype="bf16", top_p=0.5, n_prompts=4)
+    ctx = _ctx(moe_dir, prompt_file, gpu="b200", dtype="bf16", sampling=SamplingConfig(top_p=0.5), n_prompts=4)
     r = sampling.run(ctx).extra
     assert 0 < r["processed_minus_raw_mean"] <= r["bias_bound"] + 1e-9
     assert 0 < r["sampler_mass_outside"] < 0.5 + 1e-6
@@ -294,9 +309,10 @@ def test_cli_sources_json_and_report(moe_dir, prompt_file, tmp_path):
     s = json.loads(res.stdout.strip().splitlines()[-1])
     for name in ("kernels", "precision", "accelerator", "routing", "sampling"):
         src = s["sources"][name]
-        for key in ("kl_k3", "kl_k1", "kl_exact", "kl_exact_ci95", "kl_k3_ci95",
-                    "abs_logprob_diff_mean", "mis_masked_fraction", "tokens"):
-            assert key in src, (name, key)
+        for key in ("kl_k3", "kl_exact", "abs_logprob_diff_mean", "mis_masked_fraction"):
+            assert math.isfinite(src[key]) and src[key] >= 0, (name, key, src[key])
+        assert math.isfinite(src["kl_k1"]), name  # k1 is unbiased, not positive
+        assert src["tokens"] > 0 and len(src["kl_k3_ci95"]) == len(src["kl_exact_ci95"]) == 2
         lo, hi = src["kl_exact_ci95"]
         assert lo <= src["kl_exact"] <= hi or src["kl_exact"] == 0
     assert 0 <= s["sources"]["routing"]["flip_rate_any_layer"] <= 1
@@ -306,7 +322,9 @@ def test_cli_sources_json_and_report(moe_dir, prompt_file, tmp_path):
     report = (out / "report.md").read_text()
     assert "EMULATED" in report and "## Ladder" in report
     for png in ("source_kl.png", "log_ratio_hist.png", "routing.png", "ladder.png"):
-        assert (out / png).stat().st_size > 0, png
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    written = json.loads((out / "results.json").read_text())
+    assert written["total"] == s["total"] and written["sources"] == s["sources"]
     assert not list(tmp_path.glob(".run.tmp-*"))
 
 

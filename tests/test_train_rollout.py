@@ -13,7 +13,9 @@ from mismatch.records import Rollout
 from mismatch.zoo import load_model
 from mismatch.zoo.episode import Episode, EpisodeConfig
 from mismatch.zoo.tasks import generate_tasks
-from mismatch.probes.retokenization import _decode, _render, continuation_ids
+from mismatch.engines.episodes import continuation_ids
+from mismatch.engines.episodes import decode_ids as _decode
+from mismatch.engines.episodes import render_chat as _render
 from mismatch.train.fleet import SamplerGroup
 from mismatch.train.rollout import Trajectory, run_episodes
 

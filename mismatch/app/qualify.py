@@ -18,7 +18,7 @@ __all__ = ["DEFAULT_POLICY", "SOURCE_METRICS", "TOTAL_METRICS", "Check", "Policy
            "PolicyError", "dominant_source", "evaluate", "load_policy", "markdown",
            "needed_sources", "qualify_emulated", "verdict", "write_outputs"]
 
-DEFAULT_POLICY = Path(__file__).with_name("policies") / "default.toml"
+DEFAULT_POLICY = Path(__file__).parent.parent / "policies" / "default.toml"  # mismatch/policies
 
 TOTAL_METRICS = {
     "kl_k3": "KL(sampler ‖ trainer), k3 estimator, nats/token",
@@ -240,16 +240,18 @@ def qualify_emulated(cfg, policy: Policy, progress=None) -> dict:
     """Run the probes `policy` needs for an emulated sampler; the verdict and its evidence."""
     from dataclasses import replace
 
-    from mismatch.probes.runner import run_sources
+    from mismatch.app.sources import probe_sources
 
-    run = run_sources(replace(cfg, sources=needed_sources(policy)), progress)
-    return _result(policy, run.summary, mode="emulated",
+    run = probe_sources(replace(cfg, sources=needed_sources(policy)), progress)
+    return verdict_result(policy, run.summary, mode="emulated",
                    sampler=f"{cfg.gpu} {cfg.dtype}" + (f", kv {cfg.kv_cache}"
                                                        if cfg.kv_cache else ""))
 
 
-def _result(policy: Policy, summary: dict, *, mode: str, sampler: str,
-            throughput: dict | None = None) -> dict:
+def verdict_result(policy: Policy, summary: dict, *, mode: str, sampler: str,
+                   throughput: dict | None = None) -> dict:
+    """The verdict of `policy` on a probe `summary`, with its checks and evidence (what
+    write_verdict writes and the CLI prints); `sampler` names what was qualified."""
     checks = evaluate(policy, summary)
     return {"verdict": verdict(checks), "mode": mode, "sampler": sampler,
             "policy": ("default (mismatch/policies/default.toml)" if policy.path == DEFAULT_POLICY

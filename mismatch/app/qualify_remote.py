@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from mismatch.app.probe import _completion_slice
-from mismatch.probes.config import ProbeError
+from mismatch.app.probe import completion_slice
+from mismatch.probes.errors import ProbeError
 from mismatch.zoo.prompts import eos_ids, load_prompts
-from mismatch.app.qualify import Policy, _result
+from mismatch.app.qualify import Policy, verdict_result
 from mismatch.remote.canary import run_canary
 from mismatch.remote.sglang_client import SglangClient
 from mismatch.remote.vllm_client import VllmClient
@@ -37,7 +37,7 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
                    dtype: str | None = None,
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Sample from the server at `url`, re-score locally, check `policy`; the verdict dict."""
-    from mismatch.probes.base import Tally
+    from mismatch.probes.tally import Tally
     from mismatch.probes.retokenization import round_trip
 
     from mismatch.engines.numerics import apply_numerics
@@ -69,10 +69,10 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
                                   top_p=1.0, top_k=0, seed=seed + r0, candidates=8)
         with apply_numerics(trainer_model, trainer, kernels=False):
             scores = score(trainer_model, rollout, with_routing=False)
-        mask = _completion_slice(rollout.completion_mask, rollout, max_new_tokens)
-        tally.add(_completion_slice(scores.logprobs, rollout, max_new_tokens),
-                  _completion_slice(rollout.sampler_logprobs, rollout, max_new_tokens), mask)
-        completion = _completion_slice(rollout.token_ids, rollout, max_new_tokens)
+        mask = completion_slice(rollout.completion_mask, rollout, max_new_tokens)
+        tally.add(completion_slice(scores.logprobs, rollout, max_new_tokens),
+                  completion_slice(rollout.sampler_logprobs, rollout, max_new_tokens), mask)
+        completion = completion_slice(rollout.token_ids, rollout, max_new_tokens)
         for row, m in zip(completion.tolist(), mask.bool().tolist()):
             ids = [t for t, keep in zip(row, m) if keep]
             if ids:
@@ -98,5 +98,5 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
             "notes": ["Decode→re-encode of the server's sampled ids with --model's tokenizer."]}},
     }
     label = client.label + (f" ({gpu} {dtype})" if gpu and dtype else "")
-    return _result(policy, summary, mode="measured", sampler=label,
+    return verdict_result(policy, summary, mode="measured", sampler=label,
                    throughput=client.throughput)

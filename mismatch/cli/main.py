@@ -209,15 +209,19 @@ def probe_command(
         resolve(gpu, dtype, kv_cache)  # fail fast, before loading anything
         resolve(trainer_gpu, trainer_dtype)
         from mismatch.probes import parse_sources
+        from mismatch.probes.sampling import SamplingConfig
+        from mismatch.probes.staleness import StalenessConfig
 
         cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache, trainer_dtype=trainer_dtype,
                           model=model, prompts=prompts, n_prompts=n_prompts,
                           max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
                           threads=threads, sources=parse_sources(sources), ladder=ladder,
                           trainer_gpu=trainer_gpu.lower(), subset_prompts=subset_prompts,
-                          fleet_shares=_parse_shares(fleet_shares), top_p=top_p,
-                          staleness_max_lag=staleness_max_lag, staleness_lr=staleness_lr,
-                          staleness_checkpoints=staleness_checkpoints, ci_target=ci_target,
+                          fleet_shares=_parse_shares(fleet_shares),
+                          sampling=SamplingConfig(top_p=top_p),
+                          staleness=StalenessConfig(max_lag=staleness_max_lag, lr=staleness_lr,
+                                                    checkpoints=staleness_checkpoints),
+                          ci_target=ci_target,
                           max_prompts=max(max_prompts, n_prompts), emulate=emulate,
                           trainer_kernels=trainer_kernels.lower())
         # the quick probe checks the local GPU and --trainer-kernels before it loads anything
@@ -382,10 +386,10 @@ def _probe_sources(cfg, target: Path, command: str, as_json: bool) -> None:
     """`mismatch probe --sources ... [--ladder]`: run, write, print."""
 
     from mismatch.app.sources_report import format_sources_table, write_sources_outputs
-    from mismatch.probes.runner import run_sources
+    from mismatch.app.sources import probe_sources
 
     try:
-        run = _run_with_bars(lambda progress: run_sources(cfg, progress), quiet=as_json)
+        run = _run_with_bars(lambda progress: probe_sources(cfg, progress), quiet=as_json)
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     write_sources_outputs(target, run, command)

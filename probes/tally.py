@@ -1,0 +1,97 @@
+"""Token-level comparison of two configurations on the same tokens, accumulated batch by batch.
+
+Every comparison reports, besides the token-level estimators of mismatch/metrics.py, the exact
+full-vocabulary KL(μ‖π) at each sampled position (`kl_exact`): it needs no sampling of the
+compared distributions, so its spread over positions is far smaller than k3's and its 95%
+interval (a bootstrap over whole sequences: tokens of a sequence are correlated; scipy's BCa
+bootstrap) is the one the ladder and the bars are drawn with. Direction: `reference` plays the
+trainer π, `other` the sampler μ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mismatch.metrics import bootstrap_ci, divergence_summary, exact_kl, log_ratio
+
+from .base import Evaluation
+
+__all__ = ["Tally", "SUMMARY_KEYS", "NOISE_FLOOR", "CI_REL_TARGET"]
+
+SUMMARY_KEYS = ("kl_k3", "kl_k1", "kl_k2", "abs_logprob_diff_mean", "abs_logprob_diff_p99",
+                "abs_logprob_diff_max", "token_multiplicative_error", "mis_masked_fraction",
+                "ratio_mean", "ess")
+NOISE_FLOOR = 1e-7
+"""nats/token: exact KL below this is at the resolution of FP32 log-probs on these models; the
+interval target does not apply there."""
+CI_REL_TARGET = 0.2
+"""A figure above the noise floor should have a 95% half-width under 20% of its value."""
+_MAX_LOG_RATIO = 20.0  # keeps k3's exp(log π − log μ) finite (e^20 ≈ 4.9e8)
+
+
+class Tally:
+    """Token-level comparison of two configurations, accumulated batch by batch."""
+
+    def __init__(self) -> None:
+        self.reference: list[torch.Tensor] = []
+        self.other: list[torch.Tensor] = []
+        self.mask: list[torch.Tensor] = []
+        self.exact: list[torch.Tensor] = []
+
+    def add(self, reference: Evaluation | torch.Tensor, other: Evaluation | torch.Tensor,
+            mask: torch.Tensor, exact: torch.Tensor | None = None) -> None:
+        """Add [B, W] token log-probs (or Evaluations, which also give exact KL; or pass the
+        per-position exact KL [B, W] computed elsewhere as `exact`)."""
+        ref_lp = reference.logprobs if isinstance(reference, Evaluation) else reference
+        oth_lp = other.logprobs if isinstance(other, Evaluation) else other
+        if ref_lp.shape != oth_lp.shape or ref_lp.shape != mask.shape:
+            raise ValueError(f"tally shapes differ: {tuple(ref_lp.shape)}, "
+                             f"{tuple(oth_lp.shape)}, mask {tuple(mask.shape)}")
+        self.reference.append(ref_lp.float())
+        self.other.append(oth_lp.float())
+        self.mask.append(mask.float())
+        if exact is not None:
+            self.exact.append(exact.double() * mask.double())
+        elif isinstance(reference, Evaluation) and isinstance(other, Evaluation):
+            b, w, v = other.full.shape
+            kl = exact_kl(other.full.reshape(b * w, v), reference.full.reshape(b * w, v))
+            self.exact.append(kl.view(b, w) * mask.double())
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(float(m.sum()) for m in self.mask))
+
+    def log_ratio(self) -> torch.Tensor:
+        """Per-token log π − log μ of every counted token (for histograms)."""
+        out = [log_ratio(r, o)[m.bool()] for r, o, m in zip(self.reference, self.other, self.mask)]
+        return torch.cat(out).float() if out else torch.zeros(0)
+
+    def summary(self, seed: int = 0, n_boot: int = 1000) -> dict:
+        """The SUMMARY_KEYS figures, `tokens`, `kl_exact` and both 95% intervals."""
+        if not self.mask or self.tokens == 0:
+            raise ValueError("nothing to summarize: no completion tokens were compared")
+        r, o, m = torch.cat(self.reference), torch.cat(self.other), torch.cat(self.mask)
+        s = {k: float(v) for k, v in divergence_summary(r, o, m).items()}
+        out = {k: s[k] for k in SUMMARY_KEYS}
+        out["tokens"] = int(s["tokens"])
+        lr = log_ratio(r, o).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        k3 = (torch.expm1(lr) - lr) * m.double()
+        per_n = m.double().sum(-1)
+        keep = per_n > 0
+        out["kl_k3_ci95"] = bootstrap_ci(k3.sum(-1)[keep], per_n[keep], seed, n_boot)
+        if self.exact:
+            ex = torch.cat(self.exact)
+            out["kl_exact"] = float(ex.sum() / m.double().sum())
+            out["kl_exact_ci95"] = bootstrap_ci(ex.sum(-1)[keep], per_n[keep], seed, n_boot)
+            half = (out["kl_exact_ci95"][1] - out["kl_exact_ci95"][0]) / 2
+            out["kl_exact_ci_rel"] = half / out["kl_exact"] if out["kl_exact"] > 0 else 0.0
+            out["ci_target_met"] = bool(out["kl_exact"] < NOISE_FLOOR
+                                        or out["kl_exact_ci_rel"] < CI_REL_TARGET)
+            if not out["ci_target_met"] and math.isfinite(out["kl_exact_ci_rel"]):
+                # the half-width shrinks as 1/sqrt(sequences): what the target would take
+                out["sequences_for_ci_target"] = int(math.ceil(
+                    int(keep.sum()) * (out["kl_exact_ci_rel"] / CI_REL_TARGET) ** 2))
+        return out
+
