@@ -148,7 +148,7 @@ def bench_cost(repeats: int, threads: int) -> str:
     import torch
 
     torch.set_num_threads(threads)
-    from mismatch.cli.main import quiet_libraries
+    from mismatch.cli.common import quiet_libraries
 
     quiet_libraries()
     from mismatch.metrics import kl_estimators, ratio_stats

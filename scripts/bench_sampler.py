@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from mismatch.cli.main import quiet_libraries
+    from mismatch.cli.common import quiet_libraries
 
     quiet_libraries()
     from mismatch.engines.numerics import apply_numerics, calibrate

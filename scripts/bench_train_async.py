@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args()
 
-    from mismatch.cli.main import quiet_libraries
+    from mismatch.cli.common import quiet_libraries
 
     quiet_libraries()
     from mismatch.zoo import load_model, load_tokenizer

@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=64)
     ap.add_argument("--samples", type=int, default=4)
     args = ap.parse_args()
-    from mismatch.cli.main import quiet_libraries
+    from mismatch.cli.common import quiet_libraries
 
     quiet_libraries()
     import torch

@@ -83,7 +83,7 @@ def monitor_command(
 ) -> None:
     """Watch a training run's metrics for the collapse signature: exit 0 quiet, 1 alert, 2 bad
     input."""
-    from mismatch.cli.main import fail
+    from mismatch.cli.common import fail
     from mismatch.probes.monitor import (SEVERITIES, CollapseMonitor, MonitorConfig,
                                          baselines_from_log, check_log, open_sinks, read_records,
                                          run_summary, severity_rank, sink_problems,

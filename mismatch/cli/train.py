@@ -79,7 +79,7 @@ def train_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Train the embedded model with corrected asynchronous GRPO on a sampler fleet."""
-    from mismatch.cli.main import fail, quiet_libraries
+    from mismatch.cli.common import fail, quiet_libraries
 
     quiet_libraries()
     from mismatch.train.config import preset_config
@@ -190,7 +190,7 @@ def report_command(
                                        "RUN_DIR/report)."),
 ) -> None:
     """Draw a training run's curves (reward, KL, format errors, masked fraction, ...)."""
-    from mismatch.cli.main import fail
+    from mismatch.cli.common import fail
 
     from mismatch.train.report import write_report
 
@@ -252,7 +252,7 @@ def study_command(
 ) -> None:
     """Run the study's grid (fleet x staleness x arm x seed) as separate processes, resumably,
     and aggregate it into a report."""
-    from mismatch.cli.main import fail, quiet_libraries
+    from mismatch.cli.common import fail, quiet_libraries
 
     quiet_libraries()
     from dataclasses import replace

@@ -1,0 +1,89 @@
+"""What every command shares: one-line errors with exit code 2, quiet optional libraries, and
+progress bars on stderr."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import typer
+
+__all__ = ["EXIT_BAD_INPUT", "fail", "quiet_libraries", "run_with_bars", "with_progress"]
+
+EXIT_BAD_INPUT = 2
+"""Exit code of bad input (a one-line error on stderr)."""
+
+_QUIETED_WARNINGS = (
+    # torch.jit's deprecation notices, raised while modelopt and deepspeed import their kernels
+    (r"`torch\.jit\.script", DeprecationWarning, ""),
+    # the optional quantization libraries' import-time notices (missing CUDA extensions)
+    ("", UserWarning, r"(torchao|modelopt|deepspeed)(\.|$)"),
+    ("", FutureWarning, r"(torchao|modelopt|deepspeed|transformers)(\.|$)"),
+)
+"""(message regex, category, module regex) of the only warnings the CLI silences; anything else
+still reaches the user."""
+
+
+def quiet_libraries() -> None:
+    """Silence import-time chatter of optional libraries (torchao's missing CUDA extensions,
+    deepspeed's accelerator notice, transformers' progress bars) and stay offline: every model
+    this tool loads is a local directory."""
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for name in ("torchao", "torch.utils._pytree", "DeepSpeed", "deepspeed", "modelopt"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for message, category, module in _QUIETED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    """Print one line to stderr and exit."""
+    typer.echo(f"mismatch: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def run_with_bars(fn, *, quiet: bool):
+    """fn(progress) with one progress bar per label on stderr (none when quiet)."""
+    if quiet:
+        return fn(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done, total=total)
+
+        return fn(progress)
+
+
+def with_progress(fn, cfg, *, quiet: bool):
+    """Run fn(cfg, progress) with a progress bar on stderr (none when quiet)."""
+    if quiet:
+        return fn(cfg, None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("sampling and re-scoring", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return fn(cfg, progress)
