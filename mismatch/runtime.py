@@ -20,7 +20,11 @@ import os
 import sys
 from typing import Iterator
 
-__all__ = ["torch_threads", "tune_allocator"]
+__all__ = ["SMALL_MODEL_PARAMETERS", "default_threads", "torch_threads", "tune_allocator"]
+
+SMALL_MODEL_PARAMETERS = 50_000_000
+"""Below this many parameters one intra-op thread is the fastest for a forward: the per-op work
+is too small to pay for the threads' synchronization."""
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -61,3 +65,12 @@ def torch_threads(n: int | None) -> Iterator[int]:
     finally:
         if torch.get_num_threads() != held:
             torch.set_num_threads(held)
+
+
+def default_threads(model, requested: int | None = None) -> int | None:
+    """The intra-op thread count to run `model` on: `requested` when given, else 1 for a model
+    under SMALL_MODEL_PARAMETERS, else None (torch's default)."""
+    if requested is not None:
+        return requested
+    n = sum(p.numel() for p in model.parameters())
+    return 1 if n < SMALL_MODEL_PARAMETERS else None

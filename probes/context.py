@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from mismatch.profiles import NumericsSpec, resolve, trainer_spec
+from mismatch.runtime import default_threads
 from mismatch.records import Rollout
 
 from .base import TORCH_DTYPES, Batch, Evaluation, Variant, pad_width
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ProbeContext"]
 
-_SMALL_MODEL = 50_000_000  # parameters: below this, one intra-op thread is fastest
 
 
 def _sampler_numerics(model: torch.nn.Module, spec: NumericsSpec, scales: dict):
@@ -82,9 +82,7 @@ class ProbeContext:
         self._load_model = load_model
         self._models: dict[str, torch.nn.Module] = {}
         trainer_model = self.model(self.trainer.compute_dtype)
-        n_params = sum(p.numel() for p in trainer_model.parameters())
-        self.threads: int | None = cfg.threads if cfg.threads is not None else \
-            (1 if n_params < _SMALL_MODEL else None)
+        self.threads: int | None = default_threads(trainer_model, cfg.threads)
         """torch intra-op threads the run should hold (None: torch's default); the runner holds
         them with mismatch.runtime.torch_threads."""
         self.is_moe = getattr(config, "num_experts", 0) > 0 or \

@@ -24,6 +24,7 @@ from mismatch.app.qualify import Policy, verdict_result
 from mismatch.remote.canary import run_canary
 from mismatch.remote.sglang_client import SglangClient
 from mismatch.remote.vllm_client import VllmClient
+from mismatch.runtime import default_threads, torch_threads
 
 __all__ = ["ENGINES", "qualify_remote"]
 
@@ -37,12 +38,6 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
                    dtype: str | None = None,
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Sample from the server at `url`, re-score locally, check `policy`; the verdict dict."""
-    from mismatch.probes.tally import Tally
-    from mismatch.probes.retokenization import round_trip
-
-    from mismatch.engines.numerics import apply_numerics
-    from mismatch.engines.scorer import score
-    from mismatch.profiles import trainer_spec
     from mismatch.zoo import load_model, load_tokenizer
 
     if engine is None or engine.lower() not in ENGINES:
@@ -52,11 +47,27 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
         raise ProbeError("--n-prompts and --max-new-tokens must be >= 1")
     tokenizer = load_tokenizer(model)
     trainer_model = load_model(model, dtype=torch.bfloat16)
-    if sum(p.numel() for p in trainer_model.parameters()) < 50_000_000:
-        torch.set_num_threads(1)
+    with torch_threads(default_threads(trainer_model)):
+        return _qualify_rounds(client_for=ENGINES[engine.lower()], url=url, engine=engine,
+                               model=model, policy=policy, tokenizer=tokenizer,
+                               trainer_model=trainer_model, n_prompts=n_prompts,
+                               max_new_tokens=max_new_tokens, seed=seed, concurrency=concurrency,
+                               timeout=timeout, gpu=gpu, dtype=dtype, progress=progress)
+
+
+def _qualify_rounds(*, client_for, url, engine, model, policy, tokenizer, trainer_model,
+                    n_prompts, max_new_tokens, seed, concurrency, timeout, gpu, dtype,
+                    progress) -> dict:
+    """The canary, then rounds of sampling on the server and re-scoring here; the verdict."""
+    from mismatch.engines.numerics import apply_numerics
+    from mismatch.engines.scorer import score
+    from mismatch.probes.round_trip import round_trip
+    from mismatch.probes.tally import Tally
+    from mismatch.profiles import trainer_spec
+
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = eos_ids(tokenizer, trainer_model)
-    client = ENGINES[engine.lower()](url, timeout=timeout, max_concurrency=concurrency,
+    client = client_for(url, timeout=timeout, max_concurrency=concurrency,
                                      pad_id=pad_id, eos_ids=eos)
     canary = run_canary(client, tokenizer)
     prompts = load_prompts(tokenizer, None, n_prompts)
