@@ -43,14 +43,15 @@ def _sources():
         yield from sorted((ROOT / folder).rglob("*.py"))
 
 
-def _imports(path: Path):
-    """(line, absolute module name) of every import in `path`, relative ones resolved."""
+def _imported_names(path: Path):
+    """(line, module, name or None) of every import in `path`: `from m import a` gives (m, a),
+    `import m` gives (m, None); relative modules resolved."""
     module = _module(path)
     package = module if path.stem == "__init__" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name
+                yield node.lineno, alias.name, None
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -58,10 +59,27 @@ def _imports(path: Path):
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            yield node.lineno, name
-            if node.level and not node.module:  # `from . import x`: x is a module
-                for alias in node.names:
-                    yield node.lineno, f"{name}.{alias.name}"
+            for alias in node.names:
+                yield node.lineno, name, None if alias.name == "*" else alias.name
+
+
+def _imports(path: Path):
+    """(line, absolute module name) of every import in `path`; `from pkg import sub` counts
+    `pkg.sub` too where `sub` is a module of the tree."""
+    for line, name, attr in _imported_names(path):
+        yield line, name
+        if attr and _in_tree(f"{name}.{attr}"):
+            yield line, f"{name}.{attr}"
+
+
+def _in_tree(module: str) -> bool:
+    """Whether `module` (an installed name) is a file or package folder of the tree."""
+    for folder, prefix in sorted(FOLDERS.items(), key=lambda kv: -len(kv[1])):
+        if module == prefix or module.startswith(prefix + "."):
+            rest = module[len(prefix):].lstrip(".").split(".") if module != prefix else []
+            base = ROOT.joinpath(folder, *rest)
+            return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+    return False
 
 
 def test_layers_point_one_way():
@@ -118,26 +136,6 @@ def test_installed_import_names():
     assert Path(mismatch.train.loss.__file__).parent == ROOT / "train"
     assert Path(mismatch.probes.monitor.__file__).parent.is_relative_to(ROOT / "probes")
     assert Path(mismatch.quantize.codecs.__file__).parent == ROOT / "quantize"
-
-
-def _imported_names(path: Path):
-    """(line, module, name or None) of every import in `path`: `from m import a` gives (m, a),
-    `import m` gives (m, None); relative modules resolved."""
-    module = _module(path)
-    package = module if path.stem == "__init__" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name, None
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
-            for alias in node.names:
-                yield node.lineno, name, None if alias.name == "*" else alias.name
 
 
 def test_every_project_import_resolves():
