@@ -66,13 +66,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
-import shutil
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from mismatch.io import atomic_directory
 
 from .checkpoint_formats import CHECKPOINT_FORMATS, KV_CACHE_FORMATS
 from .errors import QuantizeError
@@ -169,20 +169,12 @@ def quantize_checkpoint(config: QuantizeConfig) -> QuantizeSummary:
             tokenizer, vocab_size=model.config.vocab_size, samples=config.calib_samples,
             seq_len=config.calib_seq_len, seed=config.seed, source=config.model)
         mtq.calibrate(model, recipe["algorithm"], forward_loop(batches, progress=config.progress))
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-        try:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+        with atomic_directory(out) as tmp:
             export_hf_checkpoint(model, export_dir=str(tmp))
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
             quant = load_json(tmp / "hf_quant_config.json").get("quantization", {})
             quantized, bytes_after = _quantized_modules(tmp), safetensors_bytes(tmp)
-            _replace_dir(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return QuantizeSummary(
         format=fmt.name, kv_cache=config.kv_cache, model=model_dir, out=out,
         quantized=quantized, excluded=tuple(quant.get("exclude_modules", [])),
@@ -330,21 +322,3 @@ def _quantized_modules(export_dir: Path) -> tuple[str, ...]:
             names.update(k.removesuffix(".weight_scale") for k in f.keys()
                          if k.endswith(".weight_scale"))
     return tuple(sorted(names))
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` to `out`; an existing `out` is removed only after that succeeds."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    had_old = out.exists() or out.is_symlink()
-    if had_old:
-        os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if had_old:
-            os.replace(old, out)  # put the previous checkpoint back
-        raise
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old)
-    elif old.exists() or old.is_symlink():
-        old.unlink()

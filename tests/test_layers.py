@@ -1,7 +1,7 @@
 """The architecture as a test: installed names live under `mismatch.*`, every package folder is
 installed, and no module imports from a layer above its own (README, Architecture).
 
-Layers, bottom to top: quantize → core (formats, engines, zoo, metrics, kernels, records,
+Layers, bottom to top: foundation (mismatch.io, mismatch.runtime) → quantize → core (formats, engines, zoo, metrics, kernels, records,
 profiles, remote clients) → probes (source probes and the monitor) → train → applications
 (mismatch.app, integrations) → the CLI. Imports are read with `ast`, so a lazy import inside a
 function counts as much as one at the top of the file.
@@ -18,7 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"mismatch": "mismatch", "quantize": "mismatch.quantize", "probes": "mismatch.probes",
            "train": "mismatch.train"}
-LAYERS = ("quantize", "core", "probes", "train", "app", "cli")
+LAYERS = ("foundation", "quantize", "core", "probes", "train", "app", "cli")
+FOUNDATION = ("mismatch.io", "mismatch.runtime")
+"""Writing files atomically and process settings: import nothing of the project."""
 
 
 def _module(path: Path) -> str:
@@ -30,6 +32,8 @@ def _module(path: Path) -> str:
 
 
 def _layer(module: str) -> str:
+    if module in FOUNDATION:
+        return "foundation"
     for prefix, layer in (("mismatch.quantize", "quantize"), ("mismatch.probes", "probes"),
                           ("mismatch.train", "train"), ("mismatch.app", "app"),
                           ("mismatch.integrations", "app"), ("mismatch.cli", "cli")):
