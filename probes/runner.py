@@ -17,6 +17,7 @@ from mismatch.runtime import torch_threads
 from . import SOURCES, load_source
 from .base import SourceResult
 from .context import ProbeContext
+from .summary import ProbeSummary
 from .tally import NOISE_FLOOR, Tally
 
 __all__ = ["run_batches", "run_sources", "SourcesRun", "BatchesRun"]
@@ -33,11 +34,16 @@ class BatchesRun:
 
 @dataclass
 class SourcesRun:
-    """The run's JSON summary, each source's result, and the total's per-token log-ratios."""
+    """The run's summary record, each source's result, and the total's per-token log-ratios."""
 
-    summary: dict
+    record: ProbeSummary
     results: dict[str, SourceResult] = field(repr=False)
     log_ratio_total: torch.Tensor = field(repr=False)
+
+    @property
+    def summary(self) -> dict:
+        """results.json's body (ProbeSummary.to_json)."""
+        return self.record.to_json()
 
 
 def run_batches(ctx: ProbeContext, probes: list, *, ci_target: float = 0.0) -> BatchesRun:
@@ -86,19 +92,15 @@ def run_sources(cfg, progress: Callable[[str, int, int], None] | None = None, *,
                 results[name] = load_source(name)(ctx, **kwargs)
         total = run.total.summary(cfg.seed)
     spec = ctx.spec
-    summary = {
-        "gpu": spec.gpu, "dtype": spec.dtype, "kv_cache": spec.kv_cache,
-        "trainer_dtype": ctx.trainer.dtype, "trainer_gpu": cfg.trainer_gpu, "mode": "emulated",
-        "model": str(cfg.model) if cfg.model else "embedded",
-        "kernel_path": spec.kernel_path, "attention": spec.attention,
-        "prompts": len(ctx.prompts), "tokens": run.total.tokens,
-        "total": total,
-        "ci_target": run.ci,
-        "sources": {name: r.to_json() for name, r in results.items() if name != "ladder"},
-    }
-    if "ladder" in results:
-        summary["ladder"] = results["ladder"].to_json()
-    return SourcesRun(summary=summary, results=results, log_ratio_total=run.total.log_ratio())
+    summary = ProbeSummary(
+        gpu=spec.gpu, dtype=spec.dtype, kv_cache=spec.kv_cache,
+        trainer_dtype=ctx.trainer.dtype, trainer_gpu=cfg.trainer_gpu, mode="emulated",
+        model=str(cfg.model) if cfg.model else "embedded",
+        kernel_path=spec.kernel_path, attention=spec.attention,
+        prompts=len(ctx.prompts), tokens=run.total.tokens, total=total, ci_target=run.ci,
+        sources={name: r.to_json() for name, r in results.items() if name != "ladder"},
+        ladder=results["ladder"].to_json() if "ladder" in results else None)
+    return SourcesRun(record=summary, results=results, log_ratio_total=run.total.log_ratio())
 
 
 def _unmet(total: Tally, probes: list, ci_target: float, seed: int) -> list[str]:

@@ -40,6 +40,12 @@ from .tally import Tally
 
 __all__ = ["SamplingConfig", "run"]
 
+_MIN_MASS = 1e-300
+"""Floor of π(S) before its log (FP64): keeps log finite when the trainer puts no mass on the
+sampler's support."""
+_MAX_OUTSIDE_MASS = 1 - 1e-12
+"""Cap of π(¬S) in log1p(−π(¬S)): keeps the term finite when π lies wholly outside S."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
@@ -89,7 +95,7 @@ def run(ctx: ProbeContext) -> SourceResult:
         trainer_lp = ctx.completion(ro, s.logprobs)
         in_trainer = keep_t.gather(-1, tokens[..., None])[..., 0]
         m = mask.bool()
-        log_mt = mass_t.clamp_min(1e-300).log()
+        log_mt = mass_t.clamp_min(_MIN_MASS).log()
         # KL over the support S without cancellation (mismatch.metrics.exact_kl's form): with
         # δ = log μ − log π on S and μ_p = μ renormalized on S, KL(μ_p‖π_S) = a + log1p(b − a),
         # a = E_μp[δ], b = E_μp[e^{−δ} − 1 + δ]; without replay add −log π(S) = −log1p(−π(¬S)).
@@ -101,7 +107,7 @@ def run(ctx: ProbeContext) -> SourceResult:
         b2 = (p_mu * second_order(delta)).sum(-1)
         e_replay = a + torch.log1p(b2 - a)  # KL(μ_p‖π_S)
         pi_out = (pi64.exp() * ~keep).sum(-1)
-        e_no = e_replay - torch.log1p(-pi_out.clamp(max=1 - 1e-12))  # KL(μ_p‖π)
+        e_no = e_replay - torch.log1p(-pi_out.clamp(max=_MAX_OUTSIDE_MASS))  # KL(μ_p‖π)
         tallies["processed"].add(trainer_lp, sampler_proc, mask, exact=e_no.clamp_min(0))
         tallies["mask_replay"].add(trainer_lp - log_mt.float(), sampler_proc, mask,
                                    exact=e_replay.clamp_min(0))

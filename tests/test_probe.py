@@ -134,3 +134,25 @@ def test_measured_mode_on_the_named_gpu(tmp_path):
     other = next(g for g in GPUS if g not in here)
     assert run_probe(ProbeConfig(gpu=other, dtype="bf16", n_prompts=4, max_new_tokens=4,
                                  emulate=True)).summary["mode"] == "emulated"
+
+
+def test_probe_summary_json_keeps_each_runs_keys_in_order():
+    """results.json's key order is a contract: the quick probe's and the sources runner's
+    summaries come from one record and keep their own keys, optional ones only where set."""
+    from mismatch.probes.summary import ProbeSummary
+
+    head = dict(gpu="b200", dtype="nvfp4", kv_cache="bf16", trainer_dtype="bf16",
+                mode="emulated", model="embedded", kernel_path="k", attention="a", prompts=4,
+                tokens=96, total={"kl_k3": 1e-3}, sources={"precision": {"kl_k3": 2e-3}})
+    quick = ProbeSummary(**head, trainer_kernels="torch").to_json()
+    assert list(quick) == ["gpu", "dtype", "kv_cache", "trainer_dtype", "trainer_kernels", "mode",
+                           "model", "kernel_path", "attention", "prompts", "tokens", "total",
+                           "sources"]
+    runner = ProbeSummary(**head, trainer_gpu="b200", ci_target={"target": None, "met": None,
+                                                                  "unmet": []},
+                          ladder={"steps": []}).to_json()
+    assert list(runner) == ["gpu", "dtype", "kv_cache", "trainer_dtype", "trainer_gpu", "mode",
+                            "model", "kernel_path", "attention", "prompts", "tokens", "total",
+                            "ci_target", "sources", "ladder"]
+    assert runner["tokens"] == 96 and runner["sources"]["precision"]["kl_k3"] == 2e-3
+    assert "ladder" not in ProbeSummary(**head).to_json()

@@ -53,6 +53,7 @@ from mismatch.probes.context import ProbeContext
 from mismatch.probes.errors import ProbeError
 from mismatch.probes.paired import PairedProbe
 from mismatch.probes.runner import run_batches
+from mismatch.probes.summary import ProbeSummary
 from mismatch.probes.tally import Tally
 from mismatch.records import Rollout
 from mismatch.runtime import torch_threads
@@ -84,9 +85,14 @@ class SplitProbe(PairedProbe):
 class ProbeResult:
     """Everything the probe measured, plus the raw per-token arrays for plots."""
 
-    summary: dict
+    record: ProbeSummary
     log_ratio_total: torch.Tensor = field(repr=False)
     per_position: dict[str, list[float]] = field(repr=False)
+
+    @property
+    def summary(self) -> dict:
+        """results.json's body (ProbeSummary.to_json)."""
+        return self.record.to_json()
 
 
 def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = None) -> ProbeResult:
@@ -104,17 +110,15 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
         columns = {name: tallies[name].summary(cfg.seed) for name in SPLIT}
     for name, col in columns.items():
         col["k_estimators_valid"] = SPLIT[name][1] == "sampler"  # tokens drawn from μ itself
-    summary = {
-        "gpu": spec.gpu, "dtype": spec.dtype, "kv_cache": spec.kv_cache,
-        "trainer_dtype": ctx.trainer.dtype, "trainer_kernels": cfg.trainer_kernels,
-        "mode": ctx.mode, "model": str(cfg.model) if cfg.model else "embedded",
-        "kernel_path": spec.kernel_path, "attention": spec.attention,
-        "prompts": len(ctx.prompts), "tokens": tallies["total"].tokens,
-        "total": columns["total"],
-        "sources": {name: columns[name] for name in SOURCES_REPORTED},
-    }
+    summary = ProbeSummary(
+        gpu=spec.gpu, dtype=spec.dtype, kv_cache=spec.kv_cache,
+        trainer_dtype=ctx.trainer.dtype, trainer_kernels=cfg.trainer_kernels,
+        mode=ctx.mode, model=str(cfg.model) if cfg.model else "embedded",
+        kernel_path=spec.kernel_path, attention=spec.attention,
+        prompts=len(ctx.prompts), tokens=tallies["total"].tokens, total=columns["total"],
+        sources={name: columns[name] for name in SOURCES_REPORTED})
     per_pos = {name: _per_position(tallies[name]) for name in SPLIT}
-    return ProbeResult(summary=summary, log_ratio_total=tallies["total"].log_ratio(),
+    return ProbeResult(record=summary, log_ratio_total=tallies["total"].log_ratio(),
                        per_position=per_pos)
 
 
