@@ -226,7 +226,9 @@ def test_smoke_run_on_ray_killed_and_resumed(tmp_path):
     assert [set(r) - {"resumed_discarded_units"} for r in remote] == [set(r) for r in ref]
     assert {r["backend"] for r in remote} == {"ray"}
     assert all(r["queue_depth"] >= 0 and r["sampler_restarts"] == 0 for r in remote)
-    assert (outs["ray"] / "final" / "config.json").exists()
+    from mismatch.zoo import check_model_dir
+
+    check_model_dir(outs["ray"] / "final")  # a whole model directory: config, weights, tokenizer
     assert json.loads((outs["ray"] / "config.json").read_text())["fleet"] == "mixed"
     assert list(home.iterdir()) == [] and not list(tmp.glob("mm-ray-*"))
     shutil.rmtree(tmp)

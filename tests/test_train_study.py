@@ -119,7 +119,8 @@ def test_report_only_rebuilds_from_the_saved_grid(ci_study, tmp_path):
     assert body(tmp_path / "from-logs" / "again.md") == body(report)
     text = report.read_text()
     assert "| L2 | 2 | grpo | 1 |" in text and "| L0 |" not in text  # the saved grid, not "full"
-    assert (tmp_path / "again-reward.png").exists()
+    png = (tmp_path / "again-reward.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000  # a drawn figure
 
 
 def test_a_killed_study_resumes_its_runs(tmp_path):

@@ -57,7 +57,13 @@ def test_metrics_log_has_every_required_field_once_per_step(async_run):
         # every consumed token's staleness, as counts per lag
         assert sum(r["staleness_tokens"].values()) == r["sampled_tokens"]
         assert max(int(k) for k in r["staleness_tokens"]) == r["staleness_max"]
-    assert (out / "final" / "config.json").exists() and (out / "config.json").exists()
+    from mismatch.zoo import check_model_dir, default_model_dir
+
+    check_model_dir(out / "final")  # a whole model directory: config, weights, tokenizer
+    final_config = json.loads((out / "final" / "config.json").read_text())
+    assert final_config["architectures"] == \
+        json.loads((default_model_dir() / "config.json").read_text())["architectures"]
+    assert json.loads((out / "config.json").read_text())["steps"] == cfg.steps
     assert latest_checkpoint(out).name == f"step-{cfg.steps:06d}"
 
 
