@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from mismatch.io import atomic_write_text  # noqa: E402
 from mismatch.probes.monitor import CollapseMonitor  # noqa: E402
 from mismatch.probes.monitor.traces import KINDS, judge, run_monitor, synthetic_trace  # noqa: E402
 
@@ -113,7 +114,7 @@ def write_report(path: Path, n: int) -> None:
         raise SystemExit(f"{path} has no {begin} … {end} section to replace")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n{figures}\n{end}{tail}")
+    atomic_write_text(path, f"{head}{begin}\n{figures}\n{end}{tail}")
     print(figures)
     print(f"wrote the figures section of {path}")
 
