@@ -37,7 +37,7 @@ from mismatch.probes.base import TORCH_DTYPES
 from mismatch.probes.context import ProbeContext
 from mismatch.probes.staleness import fraction_changed, rows_of
 from mismatch.records import Rollout
-from mismatch.train.loss import policy_loss
+from mismatch.train.loss import ARMS, policy_loss
 
 __all__ = ["PolicyGradientLadder", "GROUP_SIZE", "MAX_DRAWS", "PROMPTS_PER_STEP",
            "TRAIN_MAX_NEW_TOKENS"]
@@ -221,7 +221,8 @@ def _grpo_loss(model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor,
         (rows,), torch.nn.functional.pad(lp, (0, width - n)))                     # (B, W)
     completion = rollout.completion_mask[:, rollout.prompt_width:]
     sampler_logprobs = rollout.sampler_logprobs[:, rollout.prompt_width:]
-    loss, _ = policy_loss(trainer_logprobs, sampler_logprobs, advantages, completion, arm="grpo")
+    loss, _ = policy_loss(trainer_logprobs, sampler_logprobs, advantages, completion,
+                          arm=ARMS["grpo"])
     return loss
 
 @torch.no_grad()
