@@ -1,9 +1,9 @@
 """The architecture as a test: installed names live under `mismatch.*`, every package folder is
 installed, and no module imports from a layer above its own (README, Architecture).
 
-Layers, bottom to top: foundation (mismatch.io, mismatch.runtime) → quantize → core (formats, engines, zoo, metrics, kernels, records,
-profiles, remote clients) → probes (source probes and the monitor) → train → applications
-(mismatch.app, integrations) → the CLI. Imports are read with `ast`, so a lazy import inside a
+Layers, bottom to top: foundation (mismatch.io, mismatch.runtime) → quantize → core (engines,
+zoo, metrics, kernels, records, profiles, fleets, remote clients) → probes (source probes and
+the monitor) → train → applications (mismatch.app, integrations) → the CLI. Imports are read with `ast`, so a lazy import inside a
 function counts as much as one at the top of the file.
 """
 
