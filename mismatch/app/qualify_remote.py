@@ -38,6 +38,11 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
                    dtype: str | None = None,
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Sample from the server at `url`, re-score locally, check `policy`; the verdict dict."""
+    from mismatch.engines.numerics import apply_numerics
+    from mismatch.engines.scorer import score
+    from mismatch.probes.round_trip import round_trip
+    from mismatch.probes.tally import Tally
+    from mismatch.profiles import trainer_spec
     from mismatch.zoo import load_model, load_tokenizer
 
     if engine is None or engine.lower() not in ENGINES:
@@ -47,52 +52,35 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
         raise ProbeError("--n-prompts and --max-new-tokens must be >= 1")
     tokenizer = load_tokenizer(model)
     trainer_model = load_model(model, dtype=torch.bfloat16)
-    with torch_threads(default_threads(trainer_model)):
-        return _qualify_rounds(client_for=ENGINES[engine.lower()], url=url, engine=engine,
-                               model=model, policy=policy, tokenizer=tokenizer,
-                               trainer_model=trainer_model, n_prompts=n_prompts,
-                               max_new_tokens=max_new_tokens, seed=seed, concurrency=concurrency,
-                               timeout=timeout, gpu=gpu, dtype=dtype, progress=progress)
-
-
-def _qualify_rounds(*, client_for, url, engine, model, policy, tokenizer, trainer_model,
-                    n_prompts, max_new_tokens, seed, concurrency, timeout, gpu, dtype,
-                    progress) -> dict:
-    """The canary, then rounds of sampling on the server and re-scoring here; the verdict."""
-    from mismatch.engines.numerics import apply_numerics
-    from mismatch.engines.scorer import score
-    from mismatch.probes.round_trip import round_trip
-    from mismatch.probes.tally import Tally
-    from mismatch.profiles import trainer_spec
-
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = eos_ids(tokenizer, trainer_model)
-    client = client_for(url, timeout=timeout, max_concurrency=concurrency,
+    client = ENGINES[engine.lower()](url, timeout=timeout, max_concurrency=concurrency,
                                      pad_id=pad_id, eos_ids=eos)
     canary = run_canary(client, tokenizer)
     prompts = load_prompts(tokenizer, None, n_prompts)
     trainer = trainer_spec("bf16")
     tally = Tally()
     changed = sequences = 0
-    for r0 in range(0, len(prompts), _REQUESTS_PER_ROUND):
-        batch = prompts[r0:r0 + _REQUESTS_PER_ROUND]
-        rollout = client.generate(batch, max_new_tokens=max_new_tokens, temperature=1.0,
-                                  top_p=1.0, top_k=0, seed=seed + r0, candidates=8)
-        with apply_numerics(trainer_model, trainer, kernels=False):
-            scores = score(trainer_model, rollout, with_routing=False)
-        mask = completion_slice(rollout.completion_mask, rollout, max_new_tokens)
-        tally.add(completion_slice(scores.logprobs, rollout, max_new_tokens),
-                  completion_slice(rollout.sampler_logprobs, rollout, max_new_tokens), mask)
-        completion = completion_slice(rollout.token_ids, rollout, max_new_tokens)
-        for row, m in zip(completion.tolist(), mask.bool().tolist()):
-            ids = [t for t, keep in zip(row, m) if keep]
-            if ids:
-                sequences += 1
-                changed += int(round_trip(tokenizer, ids).changed)
-        if progress:
-            progress("sampling on the server and re-scoring", min(r0 + len(batch), len(prompts)),
-                     len(prompts))
-    total = tally.summary(seed)
+    with torch_threads(default_threads(trainer_model)):  # the re-scoring runs here
+        for r0 in range(0, len(prompts), _REQUESTS_PER_ROUND):
+            batch = prompts[r0:r0 + _REQUESTS_PER_ROUND]
+            rollout = client.generate(batch, max_new_tokens=max_new_tokens, temperature=1.0,
+                                      top_p=1.0, top_k=0, seed=seed + r0, candidates=8)
+            with apply_numerics(trainer_model, trainer, kernels=False):
+                scores = score(trainer_model, rollout, with_routing=False)
+            mask = completion_slice(rollout.completion_mask, rollout, max_new_tokens)
+            tally.add(completion_slice(scores.logprobs, rollout, max_new_tokens),
+                      completion_slice(rollout.sampler_logprobs, rollout, max_new_tokens), mask)
+            completion = completion_slice(rollout.token_ids, rollout, max_new_tokens)
+            for row, m in zip(completion.tolist(), mask.bool().tolist()):
+                ids = [t for t, keep in zip(row, m) if keep]
+                if ids:
+                    sequences += 1
+                    changed += int(round_trip(tokenizer, ids).changed)
+            if progress:
+                progress("sampling on the server and re-scoring",
+                         min(r0 + len(batch), len(prompts)), len(prompts))
+        total = tally.summary(seed)
     if not math.isfinite(total["kl_k3"]):
         raise ProbeError("the server's log-probs gave a non-finite KL; check that it reports "
                          "log-probs of the sampled tokens (not logits)")
