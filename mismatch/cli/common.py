@@ -7,7 +7,7 @@ from typing import NoReturn
 
 import typer
 
-__all__ = ["EXIT_BAD_INPUT", "fail", "quiet_libraries", "run_with_bars", "with_progress"]
+__all__ = ["EXIT_BAD_INPUT", "fail", "quiet_libraries", "run_with_bars"]
 
 EXIT_BAD_INPUT = 2
 """Exit code of bad input (a one-line error on stderr)."""
@@ -70,20 +70,3 @@ def run_with_bars(fn, *, quiet: bool):
             bar.update(tasks[label], completed=done, total=total)
 
         return fn(progress)
-
-
-def with_progress(fn, cfg, *, quiet: bool):
-    """Run fn(cfg, progress) with a progress bar on stderr (none when quiet)."""
-    if quiet:
-        return fn(cfg, None)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("sampling and re-scoring", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        return fn(cfg, progress)

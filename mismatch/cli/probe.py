@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from mismatch.cli.common import fail, quiet_libraries, run_with_bars, with_progress
+from mismatch.cli.common import fail, quiet_libraries, run_with_bars
 
 def probe_command(
     gpu: str = typer.Option(..., "--gpu", help="Sampler GPU: a100, h100, h200, b200, b300, "
@@ -106,7 +106,8 @@ def probe_command(
         probe_sources_command(cfg, target, command, as_json)
         return
     try:
-        result = with_progress(run_probe, cfg, quiet=as_json)
+        result = run_with_bars(lambda bar: run_probe(cfg, None if bar is None else (
+            lambda done, total: bar("sampling and re-scoring", done, total))), quiet=as_json)
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     write_probe_outputs(target, result, command)
