@@ -3,9 +3,11 @@ as one process on the whole batch — the loss over the global token count, the 
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -44,14 +46,29 @@ def batch_file(tmp_path_factory):
     return path, batch
 
 
+_SIGNAL_DEATH = re.compile(r"exitcode\s*:\s*-(?:6|9)\b")
+
+
 def _torchrun(batch_path, out, dtype: str, lr: float):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-           "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "mismatch.train.distributed", "--batch", str(batch_path), "--out", str(out),
-           "--lr", repr(lr), "--compute-dtype", dtype]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    """Launch the two ranks; a launch whose rank died by a signal (SIGABRT/SIGKILL, not a Python
+    error) is retried once, with a warning. Seen once in CI on a loaded 2-core machine: rank 1
+    aborted ("terminate called without an active exception") before it had loaded the model,
+    i.e. before this module's code ran any collective; 66 local launches under the same load did
+    not repeat it. A Python error, a wrong result or a second signal death still fails."""
+    for attempt in (1, 2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+               str(_free_port()), "-m", "mismatch.train.distributed", "--batch",
+               str(batch_path), "--out", str(out), "--lr", repr(lr), "--compute-dtype", dtype]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode == 0:
+            return torch.load(out, weights_only=False)
+        if attempt == 1 and _SIGNAL_DEATH.search(proc.stderr):
+            warnings.warn("a torchrun rank died by a signal; relaunching once:\n"
+                          + proc.stderr[-1500:])
+            continue
+        break
+    raise AssertionError(proc.stderr[-3000:])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
