@@ -69,6 +69,20 @@ def test_help_imports_nothing_heavy():
     assert probe.stdout.strip() == "False False"
 
 
+def test_preset_help_names_every_registered_preset():
+    """`--preset` help of train and study names exactly the registries' presets (study's is
+    built from its registry; train's is written out so that --help need not import torch)."""
+    from mismatch.train.config import RUN_PRESETS
+    from mismatch.train.study import STUDY_PRESETS
+
+    root = typer.main.get_command(app)
+    for command, registry in (("train", RUN_PRESETS), ("study", STUDY_PRESETS)):
+        option = next(p for p in root.commands[command].params if p.name == "preset")
+        named = [w.strip(" .") for w in option.help.split("|")]
+        assert [w.split(" (")[0] for w in named] == list(registry), command
+        assert option.default in registry
+
+
 def test_formats_and_profiles_print_tables():
     runner = CliRunner()
     res = runner.invoke(app, ["formats"])

@@ -109,7 +109,9 @@ class StudyConfig:
 
 
 def full() -> StudyConfig:
-    """The study's regime at this scale: a policy with headroom (held-out reward ~0.45 at
+    """L0 and L2 × 5 arms × 3 seeds, staleness 8, 150 steps of 16 × 8, lr 1e-4, sync controls.
+
+    The study's regime at this scale: a policy with headroom (held-out reward ~0.45 at
     temperature 1; `mismatch zoo build --steps 800`), lr 1e-4, 16 prompts × 8 episodes, 150
     steps, forced staleness 8, on-policy controls; held-out reward before, midway, after."""
     return StudyConfig(fleets=("L0", "L2"), staleness=(8,),
@@ -119,13 +121,14 @@ def full() -> StudyConfig:
 
 
 def edge() -> StudyConfig:
-    """The first grid (reports/study-edge.md): the embedded policy at its ceiling, lr 3e-4,
-    4 prompts × 8, 32 steps, staleness 4, three fleets and six arms (StudyConfig's defaults)."""
+    """The first grid: 3 fleets × 6 arms, 32 steps of 4 × 8, lr 3e-4, staleness 4.
+
+    reports/study-edge.md: the embedded policy at its ceiling (StudyConfig's defaults)."""
     return StudyConfig()
 
 
 def ci() -> StudyConfig:
-    """CI: one uncorrected and one corrected arm on the mixed fleet, a few small steps."""
+    """Three short runs on L2 for CI: grpo, sc+mis and a sync grpo control."""
     return StudyConfig(fleets=("L2",), arms=("grpo", "sc+mis"), seeds=(0,), staleness=(2,),
                        steps=3, prompts=2, samples=4, checkpoint_every=2, sync_arms=("grpo",),
                        sync_fleets=("L2",), eval_tasks=2)

@@ -7,7 +7,7 @@ from typing import NoReturn
 
 import typer
 
-__all__ = ["EXIT_BAD_INPUT", "fail", "quiet_libraries", "run_with_bars"]
+__all__ = ["EXIT_BAD_INPUT", "fail", "preset_help", "quiet_libraries", "run_with_bars"]
 
 EXIT_BAD_INPUT = 2
 """Exit code of bad input (a one-line error on stderr)."""
@@ -21,6 +21,19 @@ _QUIETED_WARNINGS = (
 )
 """(message regex, category, module regex) of the only warnings the CLI silences; anything else
 still reaches the user."""
+
+
+def preset_help(registry: dict) -> str:
+    """`--preset` help from a registry of preset functions: each name with its docstring's first
+    sentence, so the help lists what the registry holds and nothing else."""
+    parts = []
+    for name, fn in registry.items():
+        doc = " ".join((fn.__doc__ or "").split())
+        first = doc.split(". ")[0].rstrip(".")
+        if first[1:2].islower():  # "The first grid" → "the first grid", "L0 and …" kept
+            first = first[0].lower() + first[1:]
+        parts.append(f"{name} ({first})" if first else name)
+    return " | ".join(parts) + "."
 
 
 def quiet_libraries() -> None:

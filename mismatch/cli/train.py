@@ -17,6 +17,9 @@ from typing import Optional
 
 import typer
 
+from mismatch.cli.common import preset_help
+from mismatch.train.study import STUDY_PRESETS
+
 __all__ = ["train_command", "report_command", "study_command"]
 
 
@@ -215,10 +218,7 @@ def study_command(
                              "`mismatch train` run per cell, and study.json."),
     report: Optional[Path] = typer.Option(None, "--report", help="Markdown report; plots go "
                                           "beside it (default: OUT/study.md)."),
-    preset: str = typer.Option("full", "--preset", help="full (L0, L2 x 5 arms x 3 seeds, "
-                               "staleness 8, 150 steps of 16 x 8, lr 1e-4, sync controls) | "
-                               "edge (the first grid: 3 fleets x 6 arms, 32 steps of 4 x 8, "
-                               "lr 3e-4) | ci (three short runs on L2)."),
+    preset: str = typer.Option("full", "--preset", help=preset_help(STUDY_PRESETS)),
     fleets: Optional[str] = typer.Option(None, "--fleets", help="Comma-separated: L0 "
                                          "(homogeneous), L1 (precision), L2 (mixed)."),
     arms: Optional[str] = typer.Option(None, "--arms", help="Comma-separated among grpo, mis, "
