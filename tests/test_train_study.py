@@ -91,6 +91,23 @@ def test_summary_matches_the_runs_log(ci_study):
     assert s["accuracy"][1] == pytest.approx((rewards[0] + rewards[1]) / 2)
 
 
+def test_collapse_signature_on_a_known_curve(tmp_path):
+    """A hand-made run: reward 0.6 for 10 steps then 0.05 (the 5-step mean falls below half of
+    0.6 at step 13), KL ×10 from step 11, and a format-error ending only from step 30 (rate 0.9
+    from there: the 5-step mean first reaches 0.5 at step 32)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": s, "reward": 0.6 if s <= 10 else 0.05, "kl": 1e-4 if s <= 10 else 1e-3,
+             "format_error_rate": 0.02 if s < 30 else 0.9} for s in range(1, 41)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s = summarize_run(run)
+    assert s["halved_step"] == 13  # (2×0.6 + 3×0.05)/5 = 0.27 ≤ 0.3; step 12: 0.38
+    assert s["kl_growth_at_collapse"] == pytest.approx(10.0)
+    assert s["format_at_collapse"] == pytest.approx(0.02)  # not by step 18
+    assert s["format_ending_step"] == 32  # (2×0.02 + 3×0.9)/5 = 0.548 ≥ 0.5
+    assert s["first_critical"] is None and s["heldout"] == {}
+
+
 def test_finished_runs_are_never_rerun(ci_study):
     out, report, _ = ci_study
     logs = {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.jsonl")}

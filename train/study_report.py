@@ -131,12 +131,16 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
             kl3 = sum(r["kl_growth_at_collapse"] >= 3 for r in collapsed)
             fmt = sum(r["format_at_collapse"] >= max(0.5, 3 * r["format_early"])
                       for r in collapsed)
+            ending = [r["format_ending_step"] for r in collapsed
+                      if r.get("format_ending_step") is not None]
             lines.append(
                 f"- The collapse signature, over the {len(collapsed)} collapsed runs (judged up "
                 f"to {WINDOW} steps after the halving): reward halved in all (by definition); "
                 f"KL ≥ 3× its first steps in {share_ci(kl3, len(collapsed))}; most episodes "
                 f"(≥ 50% and ≥ 3× the first steps, {WINDOW}-step mean) ending on format errors "
-                f"in {share_ci(fmt, len(collapsed))}.")
+                f"in {share_ci(fmt, len(collapsed))}; at any step of the run in "
+                f"{share_ci(len(ending), len(collapsed))}"
+                + (f" (first at step {_steps_list(ending)})" if ending else "") + ".")
         lines.append("")
     lines += _kl_ratio(cfg, started)  # step 1: every run that logged one
     return lines

@@ -95,6 +95,11 @@ def summarize_run(run: Path) -> dict[str, Any] | None:
     kl_max = max(trailing(kl))
     # the collapse signature, judged up to 5 steps after the halving (or over the run)
     upto = len(recs) if halved is None else min(len(recs), halved + WINDOW)
+    format_early = sum(fmt[:WINDOW]) / len(fmt[:WINDOW])
+    # the format-error ending at any step: most episodes (5-step mean) ending on three replies
+    # without a tool call, and 3× the run's first steps
+    format_ending = next((recs[i]["step"] for i, f in enumerate(trailing(fmt))
+                          if i >= WINDOW - 1 and f >= max(0.5, 3 * format_early)), None)
     return {
         "steps": [r["step"] for r in recs], "reward": reward, "kl": kl,
         "format_error_rate": fmt, "accuracy": acc,
@@ -107,7 +112,7 @@ def summarize_run(run: Path) -> dict[str, Any] | None:
         else float("nan"),
         "format_end": sum(fmt[end]) / len(fmt[end]), "format_max": max(trailing(fmt)),
         "format_at_collapse": max(trailing(fmt)[:upto]),
-        "format_early": sum(fmt[:WINDOW]) / len(fmt[:WINDOW]),
+        "format_early": format_early, "format_ending_step": format_ending,
         "halved_step": halved, "first_critical": first_critical,
         "critical_alerts": len(critical), "alert_signals": sorted({a["signal"] for a in critical}),
         "group_kl_first": recs[0].get("group_kl", {}),
