@@ -17,6 +17,7 @@ import pytest
 
 from mismatch.train.study import STUDY_PRESETS, cells, run_state
 from mismatch.train.study_report import summarize_run
+from mismatch.train.study_summary import replayed_alert
 from mismatch.train.rundir import latest_checkpoint, read_metrics
 
 CLI = [sys.executable, "-m", "mismatch.cli"]
@@ -106,6 +107,25 @@ def test_collapse_signature_on_a_known_curve(tmp_path):
     assert s["format_at_collapse"] == pytest.approx(0.02)  # not by step 18
     assert s["format_ending_step"] == 32  # (2×0.02 + 3×0.9)/5 = 0.548 ≥ 0.5
     assert s["first_critical"] is None and s["heldout"] == {}
+
+
+def test_known_good_baselines_let_the_monitor_judge_from_the_first_steps():
+    """A run that breaks at step 6 (KL ×100, reward 0.5 → 0.05): a live monitor measures its
+    baselines over steps 4-13 and judges nothing before step 14; replayed with a known-good
+    run's baselines it alerts within the first smoothing windows. The known-good run replayed
+    with its own baselines raises nothing."""
+    from mismatch.probes.monitor import CollapseMonitor
+
+    good = [{"step": s, "kl": 1e-4 * (1 + 0.1 * (s % 3)), "reward": 0.5 + 0.02 * (s % 2),
+             "format_error_rate": 0.01} for s in range(1, 31)]
+    bad = [dict(r, kl=1e-2, reward=0.05) if r["step"] >= 6 else dict(r) for r in good]
+    live = CollapseMonitor()
+    first_live = next(a.step for r in bad for a in live.update(r) if a.severity == "critical")
+    assert first_live >= 14
+    replayed = replayed_alert(bad, good)
+    assert replayed is not None and 6 <= replayed < 14
+    assert replayed_alert(good, good) is None
+    assert replayed_alert(bad, good[:5]) is None  # too short for baselines: no judgement
 
 
 def test_finished_runs_are_never_rerun(ci_study):

@@ -14,7 +14,7 @@ from mismatch.io import atomic_write_text
 
 from .study import ARMS, FLEETS, Cell, StudyConfig, cells
 from .study_summary import (WINDOW, cell_panels, cell_runs, ci95, lag_label, share_ci,
-                            summarize_run)
+                            replayed_alert, summarize_run)
 
 __all__ = ["aggregate", "summarize_run"]
 
@@ -213,7 +213,7 @@ def _cell_table(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
     return out
 
 
-def _monitor(runs: dict[Cell, dict]) -> list[str]:
+def _monitor(runs: dict[Cell, dict], steps: int) -> list[str]:
     out = ["Lead time = the step at which the reward halved − the step of the monitor's first "
            "critical alert (positive: the alert came first). The monitor ran live inside every "
            "run with its default rules (probes.monitor.MonitorConfig: baseline over steps 4–13, "
@@ -240,7 +240,53 @@ def _monitor(runs: dict[Cell, dict]) -> list[str]:
                 f"{c.name} at step {r['first_critical']} on {', '.join(r['alert_signals'])}"
                 for c, r in sorted(alarmed, key=lambda x: x[0].name)) + ")" if alarmed else "")
             + "."]
-    return out
+    return out + _known_good(runs, steps)
+
+
+def _reference(runs: dict[Cell, dict], cell: Cell, steps: int) -> Cell | None:
+    """The known-good run a monitor of `cell` takes its baselines from: a finished SC+MIS run
+    that never halved, on the same fleet and staleness, the same seed when that is another run,
+    else the nearest other seed."""
+    good = [c for c in runs if (c.fleet, c.staleness, c.arm) == (cell.fleet, cell.staleness,
+                                                                  "sc+mis")
+            and c != cell and runs[c]["halved_step"] is None and runs[c]["steps"][-1] >= steps]
+    return min(good, key=lambda c: (abs(c.seed - cell.seed), c.seed), default=None)
+
+
+def _known_good(runs: dict[Cell, dict], steps: int) -> list[str]:
+    """Every run replayed through a monitor given a known-good run's baselines (`mismatch
+    monitor --baseline`): lead times and false alarms when judging starts at the first steps."""
+    rows, leads, false_alarms, silent = [], [], [], 0
+    for c in sorted(runs, key=lambda c: c.name):
+        ref = _reference(runs, c, steps)
+        if ref is None:
+            continue
+        r = runs[c]
+        step = replayed_alert(r["records"], runs[ref]["records"])
+        halved = r["halved_step"]
+        if halved is not None and step is not None:
+            leads.append(halved - step)
+        silent += halved is not None and step is None
+        if halved is None and step is not None:
+            false_alarms.append(f"{c.name} at step {step}")
+        lead = "–" if halved is None or step is None else str(halved - step)
+        rows.append(f"| {c.name} | {ref.name} | {halved if halved is not None else '–'} | "
+                    f"{r['first_critical'] if r['first_critical'] is not None else '–'} | "
+                    f"{step if step is not None else '–'} | {lead} |")
+    if not rows:
+        return []
+    return ["", "Replayed with a known-good run's baselines (`mismatch monitor --baseline "
+            "RUN/metrics.jsonl`): each run's log through a monitor whose baselines come from "
+            "steps 4–13 of the SC+MIS run on the same fleet and staleness (the same seed where "
+            "that is another run), so it judges from its first steps. A critical alert on a run "
+            "whose reward never halved is a false alarm.", "",
+            "| run | baselines from | reward halved at | live monitor: first critical | "
+            "replayed: first critical | replayed lead (steps) |", "|---|---|---|---|---|---|",
+            *rows, "", f"Replayed: collapsed runs alerted before the reward halved "
+            f"{sum(x > 0 for x in leads)} of {len(leads) + silent}"
+            + (f" (median lead {statistics.median(leads):g} steps)" if leads else "")
+            + f"; runs that never halved with a critical alert: {len(false_alarms)}"
+            + (f" ({', '.join(false_alarms)})" if false_alarms else "") + "."]
 
 
 def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, command: str,
@@ -283,7 +329,7 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, c
             f"last {WINDOW} steps); ± = 95% t-interval over seeds. KL growth = highest "
             f"{WINDOW}-step KL mean / median KL of the first {WINDOW} steps.", ""]
     out += _cell_table(cfg, runs)
-    out += ["", "## The monitor on these runs", ""] + _monitor(runs)
+    out += ["", "## The monitor on these runs", ""] + _monitor(runs, cfg.steps)
     l2 = [r for c, r in runs.items() if c.fleet == "L2" and r["group_kl_first"]]
     if l2:
         groups = sorted({g for r in l2 for g in r["group_kl_first"]})

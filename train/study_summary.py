@@ -20,7 +20,7 @@ from typing import Any
 
 from .study import Cell, StudyConfig
 
-__all__ = ["summarize_run", "cell_runs", "cell_panels", "WINDOW", "trailing", "ci95",
+__all__ = ["summarize_run", "replayed_alert", "cell_runs", "cell_panels", "WINDOW", "trailing", "ci95",
            "share_ci", "lag_label"]
 
 
@@ -119,7 +119,27 @@ def summarize_run(run: Path) -> dict[str, Any] | None:
         "mis_masked_end": sum(r.get("mis_masked_fraction", 0.0) for r in recs[end]) / len(
             recs[end]),
         "heldout": _heldout(run),
+        "records": recs,
     }
+
+
+def replayed_alert(records: list[dict[str, Any]],
+                   known_good: list[dict[str, Any]]) -> int | None:
+    """The step of the first critical alert of a monitor that replays `records` with the
+    baselines a known-good run's records set (`probes.monitor.baselines_from`, what `mismatch
+    monitor --baseline` does): it judges from its first smoothing window instead of after the
+    run's own steps 4–13. None: no critical alert (or `known_good` too short for baselines)."""
+    from mismatch.probes.monitor import CollapseMonitor, MonitorConfig, baselines_from
+
+    baselines = baselines_from(known_good)
+    if not baselines:
+        return None
+    monitor = CollapseMonitor(MonitorConfig(baselines=baselines))
+    for rec in records:
+        critical = [a.step for a in monitor.update(rec) if a.severity == "critical"]
+        if critical:
+            return critical[0]
+    return None
 
 
 def cell_runs(runs: dict[Cell, dict], fleet: str, k: int | None, arm: str) -> list[dict]:
