@@ -10,6 +10,9 @@ reused (the price: the process keeps its peak heap instead of returning it).
 
 `torch_threads(n)` sets torch's intra-op thread count for a block and restores the caller's on
 the way out, so a library call never leaves the process on a thread count it did not choose.
+
+For child processes: `parent_death_signal` (a child that dies with its parent) and `core_slots` /
+`child_setup` (concurrent children pinned to disjoint cores).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
-__all__ = ["SMALL_MODEL_PARAMETERS", "default_threads", "torch_threads", "tune_allocator"]
+__all__ = ["SMALL_MODEL_PARAMETERS", "default_threads", "torch_threads", "tune_allocator",
+           "parent_death_signal", "core_slots", "child_setup"]
 
 SMALL_MODEL_PARAMETERS = 50_000_000
 """Below this many parameters one intra-op thread is the fastest for a forward: the per-op work
@@ -74,3 +79,48 @@ def default_threads(model, requested: int | None = None) -> int | None:
         return requested
     n = sum(p.numel() for p in model.parameters())
     return 1 if n < SMALL_MODEL_PARAMETERS else None
+
+
+def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A Popen preexec_fn that makes the child receive `sig` when the thread that started it dies
+    (Linux PR_SET_PDEATHSIG), so a killed parent leaves no orphan behind; None where prctl is
+    missing. libc is resolved here, in the parent: between fork and exec the hook only calls one
+    C function (no import, no lock)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig, number = 1, int(sig)
+    return lambda: prctl(pr_set_pdeathsig, number)
+
+
+def core_slots(jobs: int) -> list[tuple[int, ...]] | None:
+    """Disjoint sets of the CPUs this process may use, one per concurrent child (Linux, `jobs`
+    ≥ 2 and no more than the CPUs); None: leave the children unpinned.
+
+    A training run in a lockstep mode takes every CPU its process may use for its step
+    (train.trainer.lockstep_threads). Unpinned, two such runs on two cores put four OpenMP
+    threads on two cores whenever their training phases meet; pinned, each has cores of its own
+    and as many threads as it has cores."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return None
+    if jobs < 2 or jobs > len(cpus):
+        return None
+    per = len(cpus) // jobs
+    return [tuple(cpus[i * per:(i + 1) * per]) for i in range(jobs)]
+
+
+def child_setup(death: Callable[[], None] | None,
+                cpus: tuple[int, ...] | None) -> Callable[[], None] | None:
+    """One Popen preexec_fn from a death-signal hook and a CPU set (either may be None)."""
+    if death is None and cpus is None:
+        return None
+
+    def setup() -> None:
+        if death is not None:
+            death()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+    return setup

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from mismatch.runtime import core_slots
 from mismatch.train.study import STUDY_PRESETS, cells, run_state
 from mismatch.train.study_report import summarize_run
 from mismatch.train.study_summary import replayed_alert
@@ -43,6 +44,10 @@ def test_ci_grid_runs_each_cell_as_a_process_and_writes_the_report(ci_study):
     names = [c.name for c in cells(cfg)]
     assert names == ["L2-k2-grpo-s0", "L2-k2-sc_mis-s0", "L2-sync-grpo-s0"]
     assert "3 run(s) finished, 0 already done" in proc.stdout
+    if core_slots(2):  # two jobs, each pinned to cores of its own (none shared)
+        pinned = [(out / n / "train.log").read_text().splitlines()[0] for n in names[:2]]
+        assert all(line.startswith("study: on CPUs ") for line in pinned)
+        assert pinned[0] != pinned[1]
     for name in names[:2]:
         run = out / name
         recs = read_metrics(run / "metrics.jsonl")

@@ -16,9 +16,10 @@ The grid:
 Each cell is one run directory `OUT/<fleet>-k<K>-<arm>-s<seed>` (`-sync-` for a control; a `+`
 in the arm name becomes `_`). Every run starts from the same policy: the embedded model, or
 (`policy_steps`) a zoo policy trained less, built once into `OUT/policy-<N>`. Runs go as
-subprocesses, `jobs` at a time, each on one torch thread. Resumable: a run whose `final/` exists
-and whose log reached its steps is never rerun; a run with a checkpoint restarts from it
-(`--resume`); a run killed before its first checkpoint starts again from scratch.
+subprocesses, `jobs` at a time, each pinned to cores of its own (mismatch.runtime.core_slots).
+Resumable: a run whose `final/` exists and whose log reached its steps is never rerun; a run
+with a checkpoint restarts from it (`--resume`); a run killed before its first checkpoint starts
+again from scratch.
 `OUT/study.json` records the grid so that `--report-only` can rebuild the report.
 """
 
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mismatch.io import atomic_path, atomic_write_text
+from mismatch.runtime import child_setup, core_slots, parent_death_signal
 
 __all__ = ["FLEETS", "ARMS", "StudyConfig", "STUDY_PRESETS", "Cell", "cells", "run_grid",
            "run_state", "build_policy", "export_logs"]
@@ -228,19 +230,6 @@ def _write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
-def _death_signal() -> Callable[[], None] | None:
-    """A Popen preexec_fn (Linux) that makes the child get SIGKILL when the study process dies,
-    so a killed study leaves no orphan run writing into its directory (None elsewhere). libc is
-    loaded here, before any fork."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _lock(out: Path):
     """Hold OUT/.lock for this process (one study per directory at a time)."""
     import fcntl
@@ -312,7 +301,10 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
     t0 = time.perf_counter()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
-    death = _death_signal()
+    death = parent_death_signal(signal.SIGKILL)  # a killed study leaves no orphan run
+    slots = core_slots(jobs)
+    free = list(range(len(slots))) if slots else []
+    held: dict[str, int] = {}  # run name → its slot of `slots`
     logged = {c.name: _steps_logged(out / c.name) for c in cells(cfg)}
 
     def report() -> None:
@@ -332,10 +324,16 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
                 run = out / cell.name
                 run.mkdir(parents=True, exist_ok=True)
                 log = open(run / "train.log", "ab")
+                cpus = None
+                if slots:
+                    held[cell.name] = free.pop(0)
+                    cpus = slots[held[cell.name]]
+                    log.write(f"study: on CPUs {','.join(map(str, cpus))}\n".encode())
+                    log.flush()
                 proc = subprocess.Popen(_command(cfg, cell, run, resume), stdout=log,
                                         stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True,
-                                        preexec_fn=death)
+                                        preexec_fn=child_setup(death, cpus))
                 running[cell.name] = (proc, run, log)
                 if resume:
                     result.resumed.append(cell.name)
@@ -346,6 +344,8 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
                     continue
                 log.close()
                 del running[name]
+                if name in held:
+                    free.append(held.pop(name))
                 logged[name] = _steps_logged(run)
                 if code == 0:
                     result.done.append(name)

@@ -239,8 +239,8 @@ def study_command(
                                                "OUT/policy-N; 0: the embedded model)."),
     eval_tasks: Optional[int] = typer.Option(None, "--eval-tasks", help="Held-out tasks "
                                              "evaluated before, midway and after each run."),
-    jobs: int = typer.Option(max(1, (os.cpu_count() or 1)), "--jobs", help="Runs at once "
-                             "(one torch thread each; default: the CPU count)."),
+    jobs: int = typer.Option(max(1, (os.cpu_count() or 1)), "--jobs", help="Runs at once, "
+                             "each pinned to cores of its own (default: the CPU count)."),
     notes: Optional[Path] = typer.Option(None, "--notes", help="A markdown file appended to "
                                          "the report (the discussion)."),
     report_only: bool = typer.Option(False, "--report-only", help="Aggregate the runs in OUT "

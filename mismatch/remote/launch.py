@@ -61,6 +61,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from mismatch.runtime import parent_death_signal
+
 __all__ = ["EngineLaunchError", "default_vllm_venv", "free_port", "last_log_line", "port_free",
            "serve", "server_env", "vllm_available", "vllm_command", "vllm_server"]
 
@@ -137,21 +139,6 @@ def venv_passes(python: Path, probe: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
-
-
-def _death_signal_hook():
-    """A pre-exec hook that makes the child receive SIGTERM when the thread that started it dies
-    (Linux PR_SET_PDEATHSIG), so a test runner killed with SIGKILL leaves no server behind; None
-    where prctl is missing. libc is resolved here, in the parent: between fork and exec the hook
-    only calls one C function (no import, no lock)."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
-    return lambda: prctl(pr_set_pdeathsig, sigterm)
 
 
 def free_port() -> int:
@@ -339,7 +326,7 @@ def serve(cmd: list[str], *, port: int, name: str, log_path: str | Path | None,
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                     start_new_session=True,
-                                    preexec_fn=_death_signal_hook())  # noqa: PLW1509 (see there)
+                                    preexec_fn=parent_death_signal())  # noqa: PLW1509 (its docstring)
         start = time.monotonic()
         while not _ready(url, ready_path):
             if proc.poll() is not None:
