@@ -70,6 +70,42 @@ def test_quantize_kv_is_an_fp8_round_trip():
     assert torch.equal(quantize_kv(x), ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_kv_is_idempotent_on_every_value(dtype):
+    """Every finite value of the compute dtype: a key rounded once as the cache stores it is
+    unchanged by rounding it again (what lets the engine's cache round each position once, at
+    write, while attention skips the values it marks as stored; hf_attention)."""
+    x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[torch.isfinite(x)]
+    once = quantize_kv(x)
+    assert torch.equal(quantize_kv(once).view(torch.int16), once.view(torch.int16))
+    ref = x.double().clamp(-448, 448).to(torch.float8_e4m3fn).double()  # float64 reference
+    assert torch.equal(once.double(), ref)
+
+
+def test_a_kv_cache_serves_one_kv_format_and_blocks_are_per_thread(tiny_moe):
+    import threading
+
+    from mismatch.engines.hf_attention import emulated_attention, kv_store_rounding
+    from mismatch.engines.kv_cache import SlotCache
+
+    with emulated_attention(tiny_moe, KERNEL_FAMILIES["fa3"], True):
+        assert kv_store_rounding() is quantize_kv
+        cache = SlotCache(1, 1, 2, 32, 8, torch.bfloat16, torch.device("cpu"))
+        cache.plan(torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), 1, 1)
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(kv_store_rounding()))
+        worker.start()
+        worker.join()
+        assert seen == [None]  # another thread's block is not this one's
+        k = torch.full((1, 2, 1, 32), 0.1003, dtype=torch.bfloat16)
+        stored, _ = cache.update(k, k, 0)
+        assert torch.equal(stored, quantize_kv(k))  # rounded once, as it was written
+    assert kv_store_rounding() is None
+    with pytest.raises(RuntimeError, match="one engine per apply_numerics block"):
+        cache.update(k, k, 0)
+
+
 def test_quantizable_weights_group_and_exclude(tiny_moe):
     groups = quantizable_weights(tiny_moe)
     assert "model.layers.0.self_attn.qkv" in groups

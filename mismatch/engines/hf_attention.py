@@ -6,29 +6,64 @@ the reference), on a KV cache stored in FP8 where the spec says so.
 transformers and points the model's config at it, restoring the previous one in `finally`;
 `fp8_kv_cache` is the case of a measured BF16/FP16 sampler with only its KV cache in FP8.
 `eager_experts` keeps fused MoE experts on transformers' eager loop meanwhile.
+
+The active block is per thread (sampler threads of one process may emulate different groups at
+once). An FP8 KV cache rounds keys and values as they are stored: the engine's cache
+(kv_cache.SlotCache) rounds each new position once when it is written (`kv_store_rounding`) and
+marks what it hands attention as already rounded (`mark_rounded`), so attention does not round
+the whole cache again at every decode step; keys and values from anywhere else are rounded here.
+The FP8 round trip is idempotent, so the numbers are the same either way, bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .attention import KernelFamily, quantize_kv, tiled_attention
 
-__all__ = ["ATTN_IMPL", "emulated_attention", "eager_experts", "fp8_kv_cache"]
+__all__ = ["ATTN_IMPL", "emulated_attention", "eager_experts", "fp8_kv_cache",
+           "kv_store_rounding", "mark_rounded"]
 
 ATTN_IMPL = "mismatch_emulated"
 
-_ACTIVE: list[tuple[KernelFamily | None, bool]] = []
+_STATE = threading.local()  # .active: this thread's stack of (family, kv_fp8) blocks
+_ROUNDED = "_mismatch_kv_rounded"  # the mark on keys/values already rounded as stored
+
+
+def _stack() -> list[tuple[KernelFamily | None, bool]]:
+    stack = getattr(_STATE, "active", None)
+    if stack is None:
+        stack = _STATE.active = []
+    return stack
+
+
+def _active() -> tuple[KernelFamily | None, bool]:
+    stack = _stack()
+    return stack[-1] if stack else (None, False)
+
+
+def kv_store_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How this thread's active block stores keys and values in a KV cache: `quantize_kv` for an
+    FP8 cache, None for the compute dtype."""
+    return quantize_kv if _active()[1] else None
+
+
+def mark_rounded(*tensors: torch.Tensor) -> None:
+    """Mark keys/values that a cache rounded with `kv_store_rounding` as they were stored."""
+    for t in tensors:
+        setattr(t, _ROUNDED, True)
 
 
 def _emulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                         **kwargs):
-    family, kv_fp8 = _ACTIVE[-1] if _ACTIVE else (None, False)
+    family, kv_fp8 = _active()
     if kv_fp8:
-        key, value = quantize_kv(key), quantize_kv(value)
+        key, value = (x if getattr(x, _ROUNDED, False) else quantize_kv(x) for x in (key, value))
     tq, tk = query.shape[2], key.shape[2]
     if attention_mask is None:
         allowed = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
@@ -79,12 +114,13 @@ def emulated_attention(model: torch.nn.Module, family: KernelFamily | None, kv_f
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTN_IMPL
-    _ACTIVE.append((family, kv_fp8))
+    stack = _stack()
+    stack.append((family, kv_fp8))
     try:
         with eager_experts(model):
             yield
     finally:
-        _ACTIVE.pop()
+        stack.pop()
         config._attn_implementation = previous
 
 

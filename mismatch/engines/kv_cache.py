@@ -6,12 +6,19 @@ start and how many there are; `update` (transformers' Cache hook, called by ever
 layer) writes the new keys/values at those positions and hands attention the first `tk`
 positions of the batch's slots. No per-step concatenation; `grow` reallocates (one copy) when a
 longer context is needed.
+
+Under an FP8 KV cache (hf_attention: the active block's `kv_store_rounding`) each new position
+is rounded once as it is written, as a serving engine's FP8 cache stores it, and what `update`
+returns is marked as rounded so that attention does not round the whole cache again. The block
+in force when the cache is made is the one it serves: an update under another raises.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
+
+from .hf_attention import kv_store_rounding, mark_rounded
 
 __all__ = ["SlotCache"]
 
@@ -30,6 +37,7 @@ class SlotCache(Cache):
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._plan: tuple | None = None
+        self._rounding = kv_store_rounding()  # how every position of this cache is stored
 
     @property
     def capacity(self) -> int:
@@ -68,14 +76,21 @@ class SlotCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         rows, b_idx, j_idx, slot_idx, pos_idx, tk, span = self._plan
+        rounding = kv_store_rounding()
+        if rounding is not self._rounding:
+            raise RuntimeError("this KV cache was made under another KV cache format than the "
+                               "one active now; use one engine per apply_numerics block")
         out = []
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             cache = store[layer_idx]
-            cache[slot_idx, :, pos_idx] = new.transpose(1, 2)[b_idx, j_idx].to(cache.dtype)
+            written = new.transpose(1, 2)[b_idx, j_idx].to(cache.dtype)
+            cache[slot_idx, :, pos_idx] = written if rounding is None else rounding(written)
             if span is not None:  # one contiguous copy: attention kernels stream it many times
                 out.append(cache[span[0]:span[1], :, :tk].contiguous())
             else:
                 out.append(cache[:, :, :tk].index_select(0, rows))
+        if rounding is not None:
+            mark_rounded(*out)
         return out[0], out[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
