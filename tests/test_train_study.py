@@ -16,7 +16,7 @@ import time
 import pytest
 
 from mismatch.runtime import core_slots
-from mismatch.train.study import STUDY_PRESETS, cells, run_state
+from mismatch.train.study import STUDY_PRESETS, cells, run_order, run_state
 from mismatch.train.study_report import summarize_run
 from mismatch.train.study_summary import replayed_alert
 from mismatch.train.rundir import latest_checkpoint, read_metrics
@@ -131,6 +131,20 @@ def test_known_good_baselines_let_the_monitor_judge_from_the_first_steps():
     assert replayed is not None and 6 <= replayed < 14
     assert replayed_alert(good, good) is None
     assert replayed_alert(bad, good[:5]) is None  # too short for baselines: no judgement
+
+
+def test_the_full_grid_answers_every_claim_before_it_adds_seeds():
+    cfg = STUDY_PRESETS["full"]()
+    names = [c.name for c in sorted(cells(cfg), key=lambda c: run_order(cfg, c))]
+    assert len(names) == 36
+    # the central pair over two seeds first, seed by seed, the fast L0 fleet first
+    assert names[:8] == [f"{f}-k8-{a}-s{s}" for s in (0, 1) for f in ("L0", "L2")
+                         for a in ("grpo", "sc_mis")]
+    seed0 = names[8:16]  # then every other cell of seed 0: the other arms, then the controls
+    assert seed0 == ["L0-k8-mis-s0", "L0-k8-sc-s0", "L0-k8-sc_mis_topp-s0", "L2-k8-mis-s0",
+                     "L2-k8-sc-s0", "L2-k8-sc_mis_topp-s0", "L0-sync-grpo-s0",
+                     "L0-sync-sc_mis-s0"]
+    assert all(n.endswith("-s1") for n in names[16:24]) and all(n.endswith("-s2") for n in names[24:])
 
 
 def test_finished_runs_are_never_rerun(ci_study):

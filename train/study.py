@@ -40,7 +40,7 @@ from mismatch.io import atomic_path, atomic_write_text
 from mismatch.runtime import child_setup, core_slots, parent_death_signal
 
 __all__ = ["FLEETS", "ARMS", "StudyConfig", "STUDY_PRESETS", "Cell", "cells", "run_grid",
-           "run_state", "build_policy", "export_logs"]
+           "run_state", "run_order", "build_policy", "export_logs"]
 
 FLEETS = {"L0": "homogeneous", "L1": "precision", "L2": "mixed"}
 """Study fleet name → train.fleet preset."""
@@ -171,6 +171,19 @@ def cells(cfg: StudyConfig) -> list[Cell]:
                for s in cfg.seeds])
 
 
+def run_order(cfg: StudyConfig, cell: Cell) -> tuple:
+    """The sort key of the order cells run in: the central comparison (uncorrected vs SC+MIS)
+    over the first two seeds first, so that a sitting that ends mid-grid leaves the central
+    claim with a spread over seeds; then seed by seed every cell (the central pair, the other
+    arms, the on-policy controls), so that every claim has an answer before the intervals
+    tighten; the fastest fleet first in each."""
+    rank = {f: i for i, f in enumerate(sorted({*cfg.fleets, *cfg.sync_fleets}))}
+    seed = cfg.seeds.index(cell.seed)
+    kind = 0 if cell.arm in ("grpo", "sc+mis") and cell.staleness is not None else (
+        2 if cell.staleness is None else 1)
+    return (0 if kind == 0 and seed < 2 else 1 + seed), kind, seed, rank[cell.fleet]
+
+
 def _steps_logged(run: Path) -> int:
     from .rundir import read_metrics
 
@@ -286,16 +299,7 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
         if state == "fresh" and run.exists():
             shutil.rmtree(run)  # killed before its first checkpoint: nothing to keep
         todo.append((cell, state == "resume"))
-    # the central comparison (uncorrected vs SC+MIS) over every seed first, so a sitting that ends
-    # mid-grid still leaves the central claim with a spread over seeds; then the on-policy
-    # controls, then the single corrections; seed by seed in each, the fastest fleet first
-    rank = {f: i for i, f in enumerate(sorted({*cfg.fleets, *cfg.sync_fleets}))}
-
-    def order(c: Cell) -> tuple:
-        central = 0 if c.arm in ("grpo", "sc+mis") and c.staleness is not None else (
-            1 if c.staleness is None else 2)
-        return central, cfg.seeds.index(c.seed), rank[c.fleet]
-    todo.sort(key=lambda x: order(x[0]))
+    todo.sort(key=lambda x: run_order(cfg, x[0]))
     total = len(cells(cfg)) * cfg.steps
     running: dict[str, tuple[subprocess.Popen, Path, Any]] = {}
     t0 = time.perf_counter()
