@@ -256,3 +256,40 @@ def test_gpu_placement_asks_for_the_groups_gpu_type():
     assert opts == {"num_cpus": 1, "num_gpus": 1, "accelerator_type": "H100"}
     assert sampler_resources(groups["b200-nvfp4"], "gpu", 0.5)["accelerator_type"] == "B200"
     assert sampler_resources(groups["a100-bf16"], "cpu", 0.25) == {"num_cpus": 0.25}
+
+
+def test_close_removes_a_directory_still_being_written_and_ends_its_reaper(tmp_path):
+    """After ray.shutdown() Ray's processes may write into the session's directory for a moment
+    (a single rmtree then left it behind, and close() timed out waiting for the reaper). Here a
+    writer keeps creating files in it for a second while close() runs: close() must return, the
+    directory be gone, the reaper be ended. No Ray is started: only the directory and the real
+    reaper process of a session."""
+    import threading
+
+    from mismatch.train.ray_session import RaySession
+
+    session = object.__new__(RaySession)
+    session.address, session.started, session._env = None, False, {}
+    session._tmp = tempfile.mkdtemp(prefix="mm-ray-test-", dir=tmp_path)
+    session._reaper = session._start_reaper()
+    stop = time.monotonic() + 1.0
+
+    def writer() -> None:
+        i = 0
+        while time.monotonic() < stop:
+            d = Path(session._tmp) / "session" / f"logs-{i % 7}"
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                (d / f"{i}.log").write_text("x")
+            except OSError:
+                pass
+            i += 1
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    tmp, reaper = session._tmp, session._reaper
+    time.sleep(0.2)
+    session.close()
+    thread.join()
+    assert not os.path.exists(tmp)
+    assert reaper.poll() is not None and session._reaper is None

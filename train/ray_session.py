@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["RaySession", "start_ray", "ray_module"]
@@ -103,8 +105,6 @@ class RaySession:
         and if this process dies without close() (kill -9), it kills those still running (Ray's
         agents would otherwise outlive it; process start times guard against reused ids) and
         removes the temporary directory."""
-        import subprocess
-
         if not Path("/proc").is_dir():
             return None
         return subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), self._tmp],
@@ -127,11 +127,27 @@ class RaySession:
                 os.environ[key] = value
         self._env = {}
         if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            _remove_tree(self._tmp)
             self._tmp = None
         if self._reaper is not None:  # it sees the directory gone and exits
-            self._reaper.wait(timeout=10)
+            try:
+                self._reaper.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # the directory outlived the retries: Ray is shut
+                self._reaper.kill()             # down, so the reaper has nothing left to guard
+                self._reaper.wait()
             self._reaper = None
+
+
+def _remove_tree(path: str, seconds: float = 10.0) -> None:
+    """Remove a directory that Ray's processes may still be writing into for a moment after
+    `ray.shutdown()` returns (a single rmtree can then leave it behind): retry until it is gone,
+    for `seconds` at most."""
+    deadline = time.monotonic() + seconds
+    while True:
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path) or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
 
 
 _REAPER = """
