@@ -107,7 +107,7 @@ class StudyConfig:
                 "--prompts", str(self.prompts), "--samples", str(self.samples),
                 "--checkpoint-every", str(self.checkpoint_every),
                 "--eval-tasks", str(self.eval_tasks), "--eval-every", str(midway),
-                "--threads", "1", "--sampler-processes", "0"]  # `jobs` runs share the cores
+                "--threads", "1", "--sampler-processes", "0"]  # each run on the cores of its slot
 
 
 def full() -> StudyConfig:
