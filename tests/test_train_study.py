@@ -224,3 +224,29 @@ def test_bad_input_exits_2_in_one_line(tmp_path, ci_study):
         lines = [x for x in proc.stderr.splitlines() if x.strip()]
         assert len(lines) == 1 and match in lines[0], (args, proc.stderr)
     assert not (tmp_path / "x").exists()  # nothing written on bad input
+
+
+def test_the_kl_ratio_is_given_at_step_1_and_as_the_studys_run_average():
+    """Hand-made summaries: at step 1 L2 holds 100× L0's KL (numerics alone); averaged over the
+    run the stable arm's KL is 3× (the study's measure: staleness adds to both fleets). A run
+    short of the last step counts at step 1 but not in the run average."""
+    from mismatch.train.study import Cell
+    from mismatch.train.study_report import _kl_ratio
+
+    cfg = STUDY_PRESETS["full"]()
+    full = list(range(1, cfg.steps + 1))
+    runs = {}
+    for seed, scale in ((0, 1.0), (1, 2.0)):
+        runs[Cell("L0", 8, "sc+mis", seed)] = {"kl_first": 1e-5 * scale, "kl_mean": 1e-3 * scale,
+                                               "steps": full}
+        runs[Cell("L2", 8, "sc+mis", seed)] = {"kl_first": 1e-3 * scale, "kl_mean": 3e-3 * scale,
+                                               "steps": full}
+    runs[Cell("L2", 8, "sc+mis", 2)] = {"kl_first": 2e-3, "kl_mean": 1.0, "steps": full[:40]}
+    lines = _kl_ratio(cfg, runs)
+    step1 = next(x for x in lines if "at step 1, full-distribution" in x)
+    # geometric means: (1e-3 · 2e-3 · 2e-3)^(1/3) / (1e-5 · 2e-5)^(1/2) = 112.2
+    assert "= 112.2×" in step1 and "3 and 2 seed(s)" in step1  # the short run counts here
+    mean = next(x for x in lines if "averaged over the run" in x)
+    assert "sc+mis at staleness 8" in mean and "= 3.0×" in mean and "2 and 2 run(s)" in mean
+    assert "95% interval 3.0–3.0×" not in mean  # two seeds each side: a real interval
+    assert not any("sc+mis+topp" in x for x in lines)  # no such runs: no line

@@ -105,7 +105,7 @@ def summarize_run(run: Path) -> dict[str, Any] | None:
         "format_error_rate": fmt, "accuracy": acc,
         "base": base, "final": sum(reward[end]) / len(reward[end]),
         "peak": max(a for a in acc[WINDOW - 1:] or acc),
-        "kl_first": kl[0], "kl_early": early_kl, "kl_end": sum(kl[end]) / len(kl[end]),
+        "kl_first": kl[0], "kl_mean": sum(kl) / len(kl), "kl_early": early_kl, "kl_end": sum(kl[end]) / len(kl[end]),
         "kl_max": kl_max,
         "kl_growth": (kl_max / early_kl) if early_kl > 0 else float("nan"),
         "kl_growth_at_collapse": (max(trailing(kl)[:upto]) / early_kl) if early_kl > 0
