@@ -8,6 +8,13 @@ to FP32 took 0.86–3.2 ms with a new allocation and 0.21 ms into memory already
 `tune_allocator` raises the mmap and trim thresholds so freed memory stays in the heap and is
 reused (the price: the process keeps its peak heap instead of returning it).
 
+`bound_kernel_caches` caps the caches of oneDNN, the library PyTorch's CPU build runs BF16 matrix
+products on. Both keep one compiled primitive per matrix shape, ~1.6 MB each for a BF16 GEMM
+and its backward, up to 1024 shapes by default. A training step meets new shapes all the time (the
+batch's length, the tokens each MoE expert receives), so a trainer's memory in use grew ~105 MB a
+step and its resident memory to 5–7.5 GB at 2M parameters. With 64 shapes kept it stays flat at
+the same step time (reports/benchmarks.md, "Resident memory of a training process").
+
 `torch_threads(n)` sets torch's intra-op thread count for a block and restores the caller's on
 the way out, so a library call never leaves the process on a thread count it did not choose.
 
@@ -25,6 +32,7 @@ import sys
 from typing import Callable, Iterator
 
 __all__ = ["SMALL_MODEL_PARAMETERS", "default_threads", "torch_threads", "tune_allocator",
+           "bound_kernel_caches", "KERNEL_CACHE_SHAPES",
            "parent_death_signal", "core_slots", "child_setup"]
 
 SMALL_MODEL_PARAMETERS = 50_000_000
@@ -52,6 +60,24 @@ def tune_allocator() -> bool:
         bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
     _DONE = ok
     return ok
+
+
+KERNEL_CACHE_SHAPES = 64
+"""Compiled oneDNN primitives kept (per cache): enough for every GEMM of one step's forward and
+backward to find its own again, not the shapes of steps long past."""
+
+_KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY",  # oneDNN's own primitive cache
+                           "LRU_CACHE_CAPACITY")  # PyTorch's oneDNN (ideep) cache
+
+
+def bound_kernel_caches(shapes: int = KERNEL_CACHE_SHAPES) -> dict[str, str]:
+    """Cap oneDNN's per-shape primitive caches at `shapes` entries, unless the environment
+    already sets them (a user's choice wins). Takes effect if called before the process's first
+    oneDNN matrix product (importing torch is fine); child processes inherit it. Returns the
+    settings in effect."""
+    for name in _KERNEL_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(int(shapes)))
+    return {name: os.environ[name] for name in _KERNEL_CACHE_VARIABLES}
 
 
 @contextlib.contextmanager

@@ -108,6 +108,30 @@ def _floor(units, dtype: str):
     return step
 
 
+def memory() -> dict:
+    """The process's resident memory and (glibc) the heap bytes in use, in MiB."""
+    import ctypes
+
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                out["rss_mib"] = int(line.split()[1]) / 1024
+    try:
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd "
+                                                       "usmblks fsmblks uordblks fordblks "
+                                                       "keepcost").split()]
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = Info
+        info = libc.mallinfo2()
+        out["in_use_mib"] = (info.uordblks + info.hblkhd) / 2 ** 20
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return out
+
+
 def _trainer(units, arm: str, lockstep: bool):
     """One step of the trainer as `_run` times it: a callable that returns its timings."""
     import torch
@@ -131,7 +155,8 @@ def _trainer(units, arm: str, lockstep: bool):
         t3 = time.perf_counter()
         return {"seconds": t3 - t0, "cpu": time.process_time() - c0, "build": t1 - t0,
                 "step": t2 - t1, "publish": t3 - t2,
-                "step_threads": getattr(trainer, "threads", None) or torch.get_num_threads()}
+                "step_threads": getattr(trainer, "threads", None) or torch.get_num_threads(),
+                **memory()}
 
     return step
 

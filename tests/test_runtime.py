@@ -48,3 +48,66 @@ def test_child_setup_pins_a_real_child_to_its_slot():
                           preexec_fn=child_setup(None, None), timeout=60)
     assert proc.stdout.strip() == str(mine)
     assert child_setup(None, None) is None
+
+
+_GROWTH = r"""
+import ctypes, random, sys
+import torch
+if sys.argv[1] == "bounded":
+    from mismatch.runtime import bound_kernel_caches
+    bound_kernel_caches()  # after importing torch, before its first matrix product
+torch.set_num_threads(1)
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+w = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
+x = torch.randn(4096, 256, dtype=torch.bfloat16)
+rng = random.Random(0)
+
+def steps(n):  # a BF16 GEMM and its backward on a new number of rows each time
+    for _ in range(n):
+        torch.nn.functional.linear(x[:rng.randint(64, 4096)], w).float().sum().backward()
+        w.grad = None
+
+steps(80)
+before = libc.mallinfo2().uordblks
+steps(160)
+print((libc.mallinfo2().uordblks - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallinfo2 is glibc's")
+def test_bounded_kernel_caches_keep_memory_flat_across_new_gemm_shapes():
+    """oneDNN keeps a compiled primitive per GEMM shape (~1.6 MB for BF16 forward + backward):
+    160 new shapes grow the memory in use by well over 100 MB with its default caches, and by
+    little once `bound_kernel_caches` caps them (bytes in use from glibc, not resident pages)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    grown = {}
+    for mode in ("default", "bounded"):
+        out = subprocess.run([sys.executable, "-c", _GROWTH, mode], env=env, capture_output=True,
+                             text=True, timeout=300, check=True)
+        grown[mode] = int(out.stdout.split()[-1])
+    assert grown["default"] > 100, grown
+    assert grown["bounded"] < 20, grown
+
+
+def test_bound_kernel_caches_leaves_a_users_setting_and_the_cli_sets_it(monkeypatch):
+    from mismatch.runtime import KERNEL_CACHE_SHAPES, bound_kernel_caches
+
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "8")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert bound_kernel_caches() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(KERNEL_CACHE_SHAPES),
+                                     "LRU_CACHE_CAPACITY": "8"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    probe = ("import importlib, os; m = importlib.import_module('mismatch.cli.main'); m.app = lambda: print("
+             "os.environ['LRU_CACHE_CAPACITY'], os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']); "
+             "m.main()")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == [str(KERNEL_CACHE_SHAPES)] * 2

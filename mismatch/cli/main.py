@@ -51,9 +51,10 @@ _register()
 
 def main() -> None:
     """Console-script entry point."""
-    from mismatch.runtime import tune_allocator
+    from mismatch.runtime import bound_kernel_caches, tune_allocator
 
     tune_allocator()
+    bound_kernel_caches()  # before any command's first matrix product; children inherit it
     try:
         app()
     except ValueError as exc:  # bad input reported by the library, outside a command's own check
