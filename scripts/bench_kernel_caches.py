@@ -16,7 +16,6 @@ These machines are noisy: compare the ratios of one run, not seconds across runs
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_train_step import _Worker, sample_units  # noqa: E402
+from bench_train_step import _Worker, sample_units, write_table  # noqa: E402
 
 _VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
@@ -85,11 +84,7 @@ def main() -> None:
                      f"{s[-1]['rss_mib']:6.0f}      {growth:6.1f}")
     a, b = (seconds[label] for label, _ in settings)
     lines.append(f"step time, capped / defaults: {b / a:.2f}x")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        command = " ".join(["python scripts/bench_kernel_caches.py", *sys.argv[1:]])
-        args.out.write_text(f"Command: `{command}`, {datetime.date.today()}\n\n```\n{text}\n```\n")
+    write_table("\n".join(lines), args.out, "bench_kernel_caches.py")
 
 
 if __name__ == "__main__":

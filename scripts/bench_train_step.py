@@ -268,6 +268,14 @@ def _table(rows: list[tuple[str, int, dict]], info: dict, args) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def write_table(text: str, out: Path | None, script: str) -> None:
+    """Print a benchmark's table and, with `out`, write it there with the command that made it."""
+    print(text)
+    if out:
+        command = " ".join([f"python scripts/{script}", *sys.argv[1:]])
+        out.write_text(f"Command: `{command}`, {datetime.date.today()}\n\n```\n{text}\n```\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", default="merge-base",
@@ -314,11 +322,7 @@ def main() -> None:
                       root) for _, root, threads, lockstep in variants]
             for (label, _, threads, _), r in zip(variants, _measure(specs, args.repeats)):
                 rows.append((f"{arm} {label}", threads, r))
-    text = _table(rows, info, args)
-    print(text)
-    if args.out:
-        command = " ".join(["python scripts/bench_train_step.py", *sys.argv[1:]])
-        args.out.write_text(f"Command: `{command}`, {datetime.date.today()}\n\n```\n{text}\n```\n")
+    write_table(_table(rows, info, args), args.out, "bench_train_step.py")
 
 
 if __name__ == "__main__":

@@ -156,15 +156,17 @@ def _heldout_line(rs: list[dict]) -> str:
     return " → ".join(parts) if parts else "not evaluated"
 
 
-def _geo_ratio(l0: list[float], l2: list[float]) -> tuple[float, float, float, str]:
-    """(L2 geometric mean, L0 geometric mean, ratio, its 95% interval in words) from natural
-    logs, one value per seed on each side."""
-    m0, h0 = ci95(l0)
-    m2, h2 = ci95(l2)
-    half = math.sqrt(h0 ** 2 + h2 ** 2)  # nan with a single seed on either side
+def _ratio_line(what: str, logs: dict[str, list[float]], unit: str, tail: str) -> str:
+    """One verdict line: the L2/L0 ratio of geometric means from natural logs of KL (one value
+    per seed or run on each side), with its 95% interval over them."""
+    m0, h0 = ci95(logs["L0"])
+    m2, h2 = ci95(logs["L2"])
+    half = math.sqrt(h0 ** 2 + h2 ** 2)  # nan with a single value on either side
     spread = (f"95% interval {math.exp(m2 - m0 - half):.1f}–{math.exp(m2 - m0 + half):.1f}×"
               if math.isfinite(half) else "no interval from a single seed")
-    return math.exp(m2), math.exp(m0), math.exp(m2 - m0), spread
+    return (f"- L2/L0 sampler–trainer KL {what}: {math.exp(m2):.2e} / {math.exp(m0):.2e} = "
+            f"{math.exp(m2 - m0):.1f}× ({spread}, {len(logs['L2'])} and {len(logs['L0'])} "
+            f"{unit}; {tail}).")
 
 
 def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
@@ -190,11 +192,8 @@ def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
             logs[f] = [sum(v) / len(v) for v in per_seed.values()]
         if not (logs["L0"] and logs["L2"]):
             continue
-        g2, g0, ratio, spread = _geo_ratio(logs["L0"], logs["L2"])
-        lines.append(f"- L2/L0 sampler–trainer KL at step 1, {mode}: "
-                     f"{g2:.2e} / {g0:.2e} = {ratio:.1f}× ({spread}, "
-                     f"{len(logs['L2'])} and {len(logs['L0'])} seed(s); geometric means; the "
-                     f"study: {STUDY_KL_RATIO}×).")
+        lines.append(_ratio_line(f"at step 1, {mode}", logs, "seed(s)",
+                                 f"geometric means; the study: {STUDY_KL_RATIO}×"))
     done = _complete(cfg, runs)
     for k in cfg.staleness:
         for arm in ("sc+mis", "sc+mis+topp"):
@@ -202,11 +201,9 @@ def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                         if r["kl_mean"] > 0] for f in ("L0", "L2")}
             if not (logs["L0"] and logs["L2"]):
                 continue
-            g2, g0, ratio, spread = _geo_ratio(logs["L0"], logs["L2"])
-            lines.append(f"- L2/L0 sampler–trainer KL averaged over the run (the study's "
-                         f"measure), {arm} at staleness {k}: {g2:.2e} / {g0:.2e} = "
-                         f"{ratio:.1f}× ({spread}, {len(logs['L2'])} and {len(logs['L0'])} "
-                         f"run(s); the study: {STUDY_KL_RATIO}× for SC+MIS+top-p).")
+            lines.append(_ratio_line(
+                f"averaged over the run (the study's measure), {arm} at staleness {k}", logs,
+                "run(s)", f"the study: {STUDY_KL_RATIO}× for SC+MIS+top-p"))
     return lines
 
 
