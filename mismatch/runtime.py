@@ -18,8 +18,9 @@ the same step time (reports/benchmarks.md, "Resident memory of a training proces
 `torch_threads(n)` sets torch's intra-op thread count for a block and restores the caller's on
 the way out, so a library call never leaves the process on a thread count it did not choose.
 
-For child processes: `parent_death_signal` (a child that dies with its parent) and `core_slots` /
-`child_setup` (concurrent children pinned to disjoint cores).
+For child processes: `parent_death_signal` (a child that dies with its parent), `core_slots` /
+`child_setup` (concurrent children pinned to disjoint cores) and `keep_nice` (a child in a session
+of its own stays as nice as its parent).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Callable, Iterator
 
 __all__ = ["SMALL_MODEL_PARAMETERS", "default_threads", "torch_threads", "tune_allocator",
            "bound_kernel_caches", "KERNEL_CACHE_SHAPES",
-           "parent_death_signal", "core_slots", "child_setup"]
+           "parent_death_signal", "core_slots", "child_setup", "keep_nice"]
 
 SMALL_MODEL_PARAMETERS = 50_000_000
 """Below this many parameters one intra-op thread is the fastest for a forward: the per-op work
@@ -140,13 +141,25 @@ def core_slots(jobs: int) -> list[tuple[int, ...]] | None:
 
 def child_setup(death: Callable[[], None] | None,
                 cpus: tuple[int, ...] | None) -> Callable[[], None] | None:
-    """One Popen preexec_fn from a death-signal hook and a CPU set (either may be None)."""
-    if death is None and cpus is None:
-        return None
-
+    """One Popen preexec_fn from a death-signal hook and a CPU set (either may be None). The
+    child also keeps the parent's niceness against other sessions (`keep_nice`)."""
     def setup() -> None:
         if death is not None:
             death()
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
+        keep_nice()
     return setup
+
+
+def keep_nice() -> None:
+    """Give this process's scheduling group the process's own niceness. On Linux with
+    autogroups, each session is one group and groups share the CPUs fairly whatever their
+    processes' niceness; a child started in a session of its own (`start_new_session`) would
+    otherwise compete at full weight, so `nice mismatch study` would not yield to other work.
+    A no-op where there are no autogroups."""
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(os.getpriority(os.PRIO_PROCESS, 0)))
+    except OSError:
+        pass

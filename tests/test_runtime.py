@@ -47,7 +47,28 @@ def test_child_setup_pins_a_real_child_to_its_slot():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           preexec_fn=child_setup(None, None), timeout=60)
     assert proc.stdout.strip() == str(mine)
-    assert child_setup(None, None) is None
+
+
+_NICE_CHILD = r"""
+import os, subprocess, sys
+from mismatch.runtime import child_setup
+os.nice(7)
+read = [sys.executable, "-c", "print(open('/proc/self/autogroup').read().split()[-1])"]
+for hook in (None, child_setup(None, None)):
+    out = subprocess.run(read, capture_output=True, text=True, start_new_session=True,
+                         preexec_fn=hook, timeout=60, check=True)
+    print(out.stdout.strip())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroups here")
+def test_a_child_in_a_session_of_its_own_keeps_the_parents_niceness():
+    """With autogroups each session shares the CPUs fairly whatever its processes' niceness: a
+    niced study's runs, each in a session of its own, would compete at full weight. The child
+    hook gives the child's group the parent's niceness (7 here; a bare new session gets 0)."""
+    out = subprocess.run([sys.executable, "-c", _NICE_CHILD], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["0", "7"]
 
 
 _GROWTH = r"""
