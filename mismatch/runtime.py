@@ -140,7 +140,7 @@ def core_slots(jobs: int) -> list[tuple[int, ...]] | None:
 
 
 def child_setup(death: Callable[[], None] | None,
-                cpus: tuple[int, ...] | None) -> Callable[[], None] | None:
+                cpus: tuple[int, ...] | None) -> Callable[[], None]:
     """One Popen preexec_fn from a death-signal hook and a CPU set (either may be None). The
     child also keeps the parent's niceness against other sessions (`keep_nice`)."""
     def setup() -> None:
