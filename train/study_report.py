@@ -153,7 +153,13 @@ def _heldout_line(rs: list[dict]) -> str:
         vals = [r["heldout"][key] for r in rs if key in r["heldout"]]
         if vals:
             parts.append(f"{key} {_fmt_ci(*ci95(vals))}")
-    return " → ".join(parts) if parts else "not evaluated"
+    line = " → ".join(parts) if parts else "not evaluated"
+    full = [f"{key} {_fmt_ci(*ci95(vals))}" for key in ("base", "final")
+            if (vals := [r["heldout"][f"{key}_full"] for r in rs
+                         if f"{key}_full" in r["heldout"]])]
+    if full:  # top-p arms: their own nucleus above, the study's full vocabulary here
+        line += f" (from the full vocabulary, the study's evaluation: {' → '.join(full)})"
+    return line
 
 
 def _ratio_line(what: str, logs: dict[str, list[float]], unit: str, tail: str) -> str:
@@ -328,7 +334,10 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, c
             f"{cfg.prompts} prompts × {cfg.samples} episodes, AdamW lr {cfg.lr:g}, temperature 1 "
             "(top-p arms: p = 0.97 after top-k 64), SC over the samplers' top-128 candidates."
             + (f" Held-out reward: {cfg.eval_tasks} tasks × 4 episodes before the first step, "
-               f"at step {(cfg.steps + 1) // 2} and after the last." if cfg.eval_tasks else "")]
+               f"at step {(cfg.steps + 1) // 2} and after the last; top-p arms sample it "
+               "through their nucleus, and their base and final policies also from the full "
+               "vocabulary, as the study evaluated (`--eval-full-vocab`)."
+               if cfg.eval_tasks else "")]
     if elapsed is not None:
         out += ["", f"Wall time of the runs in this invocation: {elapsed / 60:.1f} min."]
     if missing or short:
@@ -359,6 +368,10 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, c
     for c, r in sorted(runs.items(), key=lambda x: x[0].name):
         ho = " → ".join(f"{r['heldout'][k]:.2f}" for k in ("base", "mid", "final")
                         if k in r["heldout"]) or "–"
+        if "final_full" in r["heldout"]:
+            ho += " (full vocabulary: " + " → ".join(
+                f"{r['heldout'][k]:.2f}" for k in ("base_full", "final_full")
+                if k in r["heldout"]) + ")"
         out.append(f"| {c.name} | {r['steps'][-1]} | {r['base']:.2f} → {r['final']:.2f} | {ho} "
                    f"| {_steps_list([r['halved_step']])} | "
                    f"{_steps_list([r['first_critical']])} |")

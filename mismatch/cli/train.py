@@ -248,6 +248,11 @@ def study_command(
     export: Optional[Path] = typer.Option(None, "--export", help="Also copy study.json and "
                                           "every run's logs (no checkpoints) here, e.g. to "
                                           "commit them; `--report-only --out DIR` reads them."),
+    eval_full_vocab: bool = typer.Option(False, "--eval-full-vocab", help="Also evaluate the "
+                                         "base and final policy of every finished top-p run "
+                                         "from the full vocabulary (the study's evaluation; "
+                                         "the runs evaluate through their nucleus) into its "
+                                         "eval.json, before the report."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
     """Run the study's grid (fleet x staleness x arm x seed) as separate processes, resumably,
@@ -300,6 +305,8 @@ def study_command(
                    f"({result.seconds / 60:.1f} min)")
         for name, last in result.failed.items():
             typer.echo(f"failed: {name}: {last} (log: {out / name / 'train.log'})", err=True)
+    if eval_full_vocab:
+        _eval_full_vocab(cfg, out, quiet=quiet)
     try:
         path = aggregate(cfg, out, report or out / "study.md", command=command,
                          elapsed=elapsed, notes=notes.read_text() if notes else None)
@@ -318,6 +325,22 @@ def study_command(
         typer.echo(f"exported the logs of {len(runs)} run(s) to {export}")
     if not report_only and result.failed:
         raise typer.Exit(1)
+
+
+def _eval_full_vocab(cfg, out: Path, *, quiet: bool) -> None:
+    """--eval-full-vocab: each finished top-p run of the grid not yet evaluated that way."""
+    from mismatch.cli.common import fail
+    from mismatch.train.study import cells
+    from mismatch.train.study_eval import evaluate_full_vocab, needs_full_vocab_eval
+
+    todo = [out / c.name for c in cells(cfg) if needs_full_vocab_eval(out / c.name)]
+    for run in todo:
+        try:
+            full = evaluate_full_vocab(run, log=(lambda m: None) if quiet else typer.echo)
+        except (ValueError, OSError) as exc:
+            fail(f"cannot evaluate {run} from the full vocabulary: {exc}")
+        typer.echo(f"{run.name}: held-out from the full vocabulary, base "
+                   f"{full['base']['reward']:.3f} → final {full['final']['reward']:.3f}")
 
 
 def _saved_study(out: Path, cfg, over: dict):
