@@ -1,6 +1,7 @@
-"""`mismatch study --eval-full-vocab`: a finished top-p run's base and final policy evaluated from
-the full vocabulary, as the study evaluated, beside its own evaluation through the nucleus; the
-report shows both. A one-cell grid of two steps on the mixed fleet."""
+"""A top-p arm's held-out evaluation, both ways: through its nucleus (as it samples) and from the
+full vocabulary (as the study evaluated), by the run itself and, for a run that predates that,
+afterwards by `mismatch study --eval-full-vocab`, with the same figures; the report shows both.
+A one-cell grid of two steps on the mixed fleet."""
 
 from __future__ import annotations
 
@@ -30,18 +31,43 @@ def topp_run(tmp_path_factory):
     return out, out / "L2-k2-sc_mis_topp-s0"
 
 
-def test_full_vocabulary_evaluation_is_added_and_reported(topp_run):
-    out, run = topp_run
+def _figures(e):
+    return e["reward"], e["end_reasons"], e["episodes"], e["sampling"]
+
+
+def test_a_top_p_run_evaluates_through_its_nucleus_and_from_the_full_vocabulary(topp_run):
+    _, run = topp_run
     ev = json.loads((run / "eval.json").read_text())
-    assert "full_vocab" not in ev and ev["base"]["sampling"].startswith("top-p")
+    full = ev["full_vocab"]
+    assert list(ev["during"]) == list(full["during"]) == ["1"]
+    for e in (ev["base"], ev["during"]["1"], ev["final"]):
+        assert e["sampling"] == "top-p 0.97, top-k 64" and e["episodes"] == 8
+    for e in (full["base"], full["during"]["1"], full["final"]):
+        assert e["sampling"] == "full" and e["episodes"] == 8
+    assert full["final"]["step"] == ev["final"]["step"] == 2
+    assert not needs_full_vocab_eval(run)  # nothing left to add afterwards
+    said = (run / "train.log").read_text()  # `mismatch train`'s summary, both ways
+    for label, e, how in (("", ev, "top-p 0.97, top-k 64"), (" from the full vocabulary", full,
+                                                             "full")):
+        assert (f"held-out reward{label}: base {e['base']['reward']:.3f} -> step 1 "
+                f"{e['during']['1']['reward']:.3f} -> final {e['final']['reward']:.3f} "
+                f"(2 tasks x 4, {how} sampling)") in said
+
+
+def test_afterwards_gives_the_runs_own_figures_and_the_report_shows_both(topp_run, tmp_path):
+    out, run = topp_run
+    own = json.loads((run / "eval.json").read_text())
+    old = dict(own)
+    del old["full_vocab"]  # as a run made before `mismatch train` evaluated both ways
+    (run / "eval.json").write_text(json.dumps(old))
     assert needs_full_vocab_eval(run)
     proc = _study(out, "--report-only", "--eval-full-vocab")
     assert proc.returncode == 0, proc.stderr
-    ev = json.loads((run / "eval.json").read_text())
-    full = ev["full_vocab"]
-    assert full["base"]["sampling"] == full["final"]["sampling"] == "full"
-    assert full["base"]["episodes"] == full["final"]["episodes"] == ev["base"]["episodes"] == 8
-    assert full["final"]["step"] == ev["final"]["step"] == 2
+    full = json.loads((run / "eval.json").read_text())["full_vocab"]
+    # the saved final/ policy and the base, on the same episode streams: the run's own figures
+    for key in ("base", "final"):
+        assert _figures(full[key]) == _figures(own["full_vocab"][key])
+    assert full["final"]["step"] == 2
     line = (f"{run.name}: held-out from the full vocabulary, base {full['base']['reward']:.3f} "
             f"→ final {full['final']['reward']:.3f}")
     assert line in proc.stdout
@@ -51,28 +77,11 @@ def test_full_vocabulary_evaluation_is_added_and_reported(topp_run):
     assert (f"(full vocabulary: {full['base']['reward']:.2f} → "
             f"{full['final']['reward']:.2f})") in text
     # done once: a second pass evaluates nothing and leaves eval.json as it was
-    assert not needs_full_vocab_eval(run)
     before = (run / "eval.json").read_text()
     again = _study(out, "--report-only", "--eval-full-vocab")
     assert again.returncode == 0 and "held-out from the full vocabulary" not in again.stdout
     assert (run / "eval.json").read_text() == before
-
-
-def test_the_saved_final_policy_is_the_one_the_run_evaluated(topp_run):
-    """Re-evaluated through the nucleus, final/ gives the run's own final figures episode for
-    episode: the full-vocabulary figure is of the same policy, on the same episode streams."""
-    from mismatch.runtime import torch_threads
-    from mismatch.train.evaluation import evaluate
-    from mismatch.train.study_eval import _config
-    from mismatch.zoo import load_model, load_tokenizer
-
-    _, run = topp_run
-    ev = json.loads((run / "eval.json").read_text())
-    cfg = _config(run)
-    with torch_threads(cfg.threads):
-        again = evaluate(load_model(run / "final"), load_tokenizer(run / "final"), cfg)
-    assert again["reward"] == ev["final"]["reward"]
-    assert again["end_reasons"] == ev["final"]["end_reasons"]
+    (run / "eval.json").write_text(json.dumps(own))  # as the run wrote it
 
 
 def test_a_full_distribution_run_or_an_unfinished_one_is_refused(tmp_path, topp_run):

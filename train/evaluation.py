@@ -4,6 +4,9 @@ temperature 1.
 
 A run evaluates its base policy before the first step, after every `eval_every` steps and after
 the last (out/eval.json), so that the reward it learned is measured on tasks it never trained on.
+A top-p arm samples its held-out episodes through its nucleus, as it trains, and also from the
+full vocabulary, as the reference study evaluated (reference/synopsis.txt), under eval.json's
+"full_vocab": {"base", "during", "final"}.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from .config import TrainConfig
 from .fleet import fleet
 from .rollout import run_episodes
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "evaluate_into"]
 
 
 def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
@@ -48,3 +51,21 @@ def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
             "sampling": f"top-p {cfg.top_p}, top-k {cfg.top_p_max_tokens}" if top else "full",
             "format_error_rate": ends.get("format_errors", 0) / len(eps),
             "end_reasons": dict(sorted(ends.items()))}
+
+
+def evaluate_into(evaluation: dict[str, Any], key: str, model: torch.nn.Module, tokenizer,
+                  cfg: TrainConfig, step: int | None = None) -> None:
+    """Evaluate the policy into `evaluation` (eval.json's dict) at `key` ("base", "final", or a
+    step of "during"), with `step` recorded; a top-p arm's policy also from the full vocabulary
+    under evaluation["full_vocab"] at the same key."""
+    modes = [(evaluation, None)]
+    if cfg.samples_top_p:
+        modes.append((evaluation.setdefault("full_vocab", {}), False))
+    for into, top_p in modes:
+        res = evaluate(model, tokenizer, cfg, top_p=top_p)
+        if step is not None:
+            res["step"] = step
+        if key.isdigit():
+            into.setdefault("during", {})[key] = res
+        else:
+            into[key] = res

@@ -35,7 +35,7 @@ from mismatch.runtime import torch_threads
 
 from .batch import Unit, build_batch
 from .config import TrainConfig
-from .evaluation import evaluate
+from .evaluation import evaluate_into
 from .fleet import SamplerGroup, fleet
 from .pipeline import Pipeline, Publisher
 from .record import StepRecord
@@ -158,8 +158,8 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
     if cfg.eval_tasks and "base" not in evaluation:
         log.info("evaluating the base policy on %d held-out tasks × %d", cfg.eval_tasks,
                  cfg.eval_samples)
-        evaluation = {"tasks": cfg.eval_tasks, "samples": cfg.eval_samples,
-                      "base": evaluate(trainer.policy(), tokenizer, cfg)}
+        evaluation = {"tasks": cfg.eval_tasks, "samples": cfg.eval_samples}
+        evaluate_into(evaluation, "base", trainer.policy(), tokenizer, cfg)
         write_json(eval_path, evaluation)
 
     groups = fleet(cfg.fleet)
@@ -222,8 +222,8 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
                 if (cfg.eval_tasks and cfg.eval_every and step % cfg.eval_every == 0
                         and step < cfg.steps and str(step) not in evaluation.get("during", {})):
                     log.info("evaluating the policy at step %d", step)
-                    evaluation.setdefault("during", {})[str(step)] = dict(
-                        evaluate(trainer.policy(), tokenizer, cfg), step=step)
+                    evaluate_into(evaluation, str(step), trainer.policy(), tokenizer, cfg,
+                                  step=step)
                     write_json(eval_path, evaluation)
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop_now:
                     trainer.save(out, step, consumed_max + 1, publisher.older())
@@ -241,7 +241,7 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
     result.steps_done = step
     if cfg.eval_tasks:
         log.info("evaluating the trained policy (step %d)", step)
-        evaluation["final"] = dict(evaluate(trainer.policy(), tokenizer, cfg), step=step)
+        evaluate_into(evaluation, "final", trainer.policy(), tokenizer, cfg, step=step)
         write_json(eval_path, evaluation)
     result.evaluation = evaluation
     save_final(out, trainer.policy(), tokenizer)

@@ -1,11 +1,13 @@
-"""The study's held-out evaluation for the top-p arms: sampled from the full vocabulary.
+"""The study's held-out evaluation for the top-p arms, after the fact: from the full vocabulary.
 
 A top-p arm trains the policy truncated to its samplers' nucleus (p = 0.97 after top-k 64), and
-`mismatch train` evaluates it as it samples, through the same nucleus. The study evaluated every
-arm from the full vocabulary (reference/synopsis.txt: "evaluation samples from the full
-vocabulary"), so a top-p arm's figures there also pay for the tail its loss never sees. This
-evaluates the base and the final policy of a finished top-p run that way, on the same held-out
-tasks and episode streams as the run's own evaluation, and adds them to its eval.json:
+evaluates it through the same nucleus. The study evaluated every arm from the full vocabulary
+(reference/synopsis.txt: "evaluation samples from the full vocabulary"), so a top-p arm's
+figures there also pay for the tail its loss never sees. `mismatch train` now evaluates a top-p
+arm both ways (train.evaluation.evaluate_into); a run made before it did only the first. This
+evaluates the base and the final policy of such a finished run from the full vocabulary, on the
+same held-out tasks and episode streams as the run's own evaluation, and adds them to its
+eval.json, as the run itself would have:
 
     "full_vocab": {"base": {...}, "final": {...}}
 

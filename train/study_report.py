@@ -154,7 +154,7 @@ def _heldout_line(rs: list[dict]) -> str:
         if vals:
             parts.append(f"{key} {_fmt_ci(*ci95(vals))}")
     line = " → ".join(parts) if parts else "not evaluated"
-    full = [f"{key} {_fmt_ci(*ci95(vals))}" for key in ("base", "final")
+    full = [f"{key} {_fmt_ci(*ci95(vals))}" for key in ("base", "mid", "final")
             if (vals := [r["heldout"][f"{key}_full"] for r in rs
                          if f"{key}_full" in r["heldout"]])]
     if full:  # top-p arms: their own nucleus above, the study's full vocabulary here
@@ -370,7 +370,7 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, c
                         if k in r["heldout"]) or "–"
         if "final_full" in r["heldout"]:
             ho += " (full vocabulary: " + " → ".join(
-                f"{r['heldout'][k]:.2f}" for k in ("base_full", "final_full")
+                f"{r['heldout'][k]:.2f}" for k in ("base_full", "mid_full", "final_full")
                 if k in r["heldout"]) + ")"
         out.append(f"| {c.name} | {r['steps'][-1]} | {r['base']:.2f} → {r['final']:.2f} | {ho} "
                    f"| {_steps_list([r['halved_step']])} | "

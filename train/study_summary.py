@@ -62,8 +62,8 @@ def share_ci(k: int, n: int) -> str:
 
 def _heldout(run: Path) -> dict[str, float]:
     """{"base", "mid", "final"} held-out reward of a run's eval.json (those it holds), and for
-    a top-p run evaluated from the full vocabulary too (train.study_eval), "base_full" and
-    "final_full"."""
+    a top-p run evaluated from the full vocabulary too (by the run, or afterwards by
+    train.study_eval), "base_full", "mid_full" and "final_full"."""
     path = run / "eval.json"
     if not path.exists():
         return {}
@@ -74,6 +74,8 @@ def _heldout(run: Path) -> dict[str, float]:
         out["mid"] = during[min(during, key=int)]["reward"]
     full = ev.get("full_vocab") or {}
     out.update({f"{k}_full": full[k]["reward"] for k in ("base", "final") if k in full})
+    if full.get("during"):
+        out["mid_full"] = full["during"][min(full["during"], key=int)]["reward"]
     return out
 
 

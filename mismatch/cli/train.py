@@ -138,10 +138,13 @@ def train_command(
     (Path(out) / "command.txt").write_text(command + "\n")
     ev = result.evaluation
     lines = [f"{out}: {result.steps_done} steps ({cfg.correction} on {cfg.fleet})"]
-    if "base" in ev and "final" in ev:
-        during = "".join(f" -> step {k} {v['reward']:.3f}" for k, v in ev.get("during", {}).items())
-        lines.append(f"held-out reward: base {ev['base']['reward']:.3f}{during} -> final "
-                     f"{ev['final']['reward']:.3f} ({ev['tasks']} tasks x {ev['samples']})")
+    for label, e in (("", ev), (" from the full vocabulary", ev.get("full_vocab") or {})):
+        if "base" in e and "final" in e:  # a top-p arm: through its nucleus, then the full one
+            during = "".join(f" -> step {k} {v['reward']:.3f}"
+                             for k, v in e.get("during", {}).items())
+            lines.append(f"held-out reward{label}: base {e['base']['reward']:.3f}{during} -> "
+                         f"final {e['final']['reward']:.3f} ({ev['tasks']} tasks x "
+                         f"{ev['samples']}, {e['final']['sampling']} sampling)")
     if result.alerts:
         lines.append(f"alerts: {len(result.alerts)} (see {Path(out) / 'alerts.jsonl'})")
     typer.echo("\n".join(lines))
