@@ -76,17 +76,22 @@ def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, dict], final: Path) -> str:
     for ax, (fleet, k, arms) in zip(axes[0], panels):
         for i, arm in enumerate(arms):
             rs = [r for r in cell_runs(runs, fleet, k, arm) if r["heldout"]]
-            xs, mean, lo, hi = [], [], [], []
-            for key, step in points:
-                vals = [r["heldout"][key] for r in rs if key in r["heldout"]]
-                if vals:
-                    xs.append(step + (i - len(arms) / 2) * cfg.steps / 80)  # side by side
-                    mean.append(sum(vals) / len(vals))
-                    lo.append(mean[-1] - min(vals))
-                    hi.append(max(vals) - mean[-1])
-            if xs:
-                ax.errorbar(xs, mean, yerr=[lo, hi], color=_COLORS.get(arm), marker="o", lw=1.4,
-                            capsize=3, label=arm)
+            # a top-p arm: through its nucleus (solid), and from the full vocabulary (dashed)
+            for suffix, style, label in (("", "-", arm),
+                                         ("_full", "--", f"{arm}, full vocabulary")):
+                xs, mean, lo, hi = [], [], [], []
+                for key, step in points:
+                    vals = [r["heldout"][key + suffix] for r in rs
+                            if key + suffix in r["heldout"]]
+                    if vals:
+                        xs.append(step + (i - len(arms) / 2) * cfg.steps / 80)  # side by side
+                        mean.append(sum(vals) / len(vals))
+                        lo.append(mean[-1] - min(vals))
+                        hi.append(max(vals) - mean[-1])
+                if xs:
+                    ax.errorbar(xs, mean, yerr=[lo, hi], color=_COLORS.get(arm),
+                                marker="o" if not suffix else "s", ls=style, lw=1.4,
+                                capsize=3, label=label)
         lag = "on-policy (sync)" if k is None else f"staleness {k}"
         ax.set_title(f"{fleet} ({FLEETS[fleet]}), {lag}", fontsize=9)
         ax.set_xlabel("optimizer step")
