@@ -35,7 +35,8 @@ def _figures(e):
     return e["reward"], e["end_reasons"], e["episodes"], e["sampling"]
 
 
-def test_a_top_p_run_evaluates_through_its_nucleus_and_from_the_full_vocabulary(topp_run):
+def test_a_top_p_run_evaluates_through_its_nucleus_and_from_the_full_vocabulary(topp_run,
+                                                                                 tmp_path):
     _, run = topp_run
     ev = json.loads((run / "eval.json").read_text())
     full = ev["full_vocab"]
@@ -52,6 +53,13 @@ def test_a_top_p_run_evaluates_through_its_nucleus_and_from_the_full_vocabulary(
         assert (f"held-out reward{label}: base {e['base']['reward']:.3f} -> step 1 "
                 f"{e['during']['1']['reward']:.3f} -> final {e['final']['reward']:.3f} "
                 f"(2 tasks x 4, {how} sampling)") in said
+    # `mismatch report`'s table of the run, both ways
+    rep = subprocess.run(CLI + ["report", str(run), "--out", str(tmp_path / "report")],
+                         capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr
+    assert (f"| {ev['base']['reward']:.3f} → {ev['final']['reward']:.3f} (full vocabulary: "
+            f"{full['base']['reward']:.3f} → {full['final']['reward']:.3f}) |"
+            ) in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_afterwards_gives_the_runs_own_figures_and_the_report_shows_both(topp_run, tmp_path):

@@ -81,8 +81,7 @@ def summary_rows(runs: list[dict[str, Any]], window: int = 20) -> list[list[str]
         rows.append([
             r["label"], str(m[-1]["step"]),
             f"{_mean(first, 'reward'):.3f} → {_mean(last, 'reward'):.3f}",
-            f"{ev['base']['reward']:.3f} → {ev['final']['reward']:.3f}"
-            if "base" in ev and "final" in ev else "—",
+            _heldout(ev),
             f"{_mean(first, 'kl'):.2e} → {_mean(last, 'kl'):.2e}",
             f"{_mean(first, 'format_error_rate'):.3f} → {_mean(last, 'format_error_rate'):.3f}",
             f"{_mean(last, 'mis_masked_fraction'):.4f}",
@@ -90,6 +89,18 @@ def summary_rows(runs: list[dict[str, Any]], window: int = 20) -> list[list[str]
             str(len(r["alerts"])),
         ])
     return rows
+
+
+def _heldout(ev: dict[str, Any]) -> str:
+    """base → final held-out reward; a top-p arm's also from the full vocabulary."""
+    if "base" not in ev or "final" not in ev:
+        return "—"
+    out = f"{ev['base']['reward']:.3f} → {ev['final']['reward']:.3f}"
+    full = ev.get("full_vocab") or {}
+    if "base" in full and "final" in full:
+        out += (f" (full vocabulary: {full['base']['reward']:.3f} → "
+                f"{full['final']['reward']:.3f})")
+    return out
 
 
 def _per_group(plt, runs: list[dict[str, Any]], key: str, title: str, log: bool, path: Path):
