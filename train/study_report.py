@@ -335,8 +335,9 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, c
             "(top-p arms: p = 0.97 after top-k 64), SC over the samplers' top-128 candidates."
             + (f" Held-out reward: {cfg.eval_tasks} tasks × 4 episodes before the first step, "
                f"at step {(cfg.steps + 1) // 2} and after the last; top-p arms sample it "
-               "through their nucleus, and their base and final policies also from the full "
-               "vocabulary, as the study evaluated (`--eval-full-vocab`)."
+               "through their nucleus and also from the full vocabulary, as the study "
+               "evaluated (runs made before `mismatch train` did both: base and final, by "
+               "`--eval-full-vocab`)."
                if cfg.eval_tasks else "")]
     if elapsed is not None:
         out += ["", f"Wall time of the runs in this invocation: {elapsed / 60:.1f} min."]

@@ -251,11 +251,11 @@ def study_command(
     export: Optional[Path] = typer.Option(None, "--export", help="Also copy study.json and "
                                           "every run's logs (no checkpoints) here, e.g. to "
                                           "commit them; `--report-only --out DIR` reads them."),
-    eval_full_vocab: bool = typer.Option(False, "--eval-full-vocab", help="Also evaluate the "
-                                         "base and final policy of every finished top-p run "
-                                         "from the full vocabulary (the study's evaluation; "
-                                         "the runs evaluate through their nucleus) into its "
-                                         "eval.json, before the report."),
+    eval_full_vocab: bool = typer.Option(False, "--eval-full-vocab", help="Evaluate the base "
+                                         "and final policy of each finished top-p run that was "
+                                         "evaluated only through its nucleus (made before "
+                                         "`mismatch train` did both) from the full vocabulary "
+                                         "too, as the study evaluated, into its eval.json."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
     """Run the study's grid (fleet x staleness x arm x seed) as separate processes, resumably,
