@@ -18,22 +18,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def episodes(base: Path, n_tasks: int, seed: int):
     """Held-out episodes of the base policy: `n_tasks` tasks × 1, full vocabulary."""
     from mismatch.zoo import load_model, load_tokenizer
     from mismatch.zoo.tasks import make_task, task_seeds
-    from train.batch import unit_seed
-    from train.fleet import fleet
-    from train.rollout import run_episodes
+    from mismatch.train.batch import unit_seed
+    from mismatch.train.fleet import fleet
+    from mismatch.train.rollout import run_episodes
 
     tasks = [make_task(s) for s in task_seeds("heldout", n_tasks)]  # the zoo's mix of kinds
     model, tok = load_model(base, dtype="bfloat16"), load_tokenizer(base)
