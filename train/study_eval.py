@@ -47,7 +47,7 @@ def needs_full_vocab_eval(run: Path) -> bool:
     try:
         cfg = _config(run)
         ev = json.loads((run / "eval.json").read_text())
-    except (ValueError, json.JSONDecodeError):
+    except ValueError:  # json.JSONDecodeError is one
         return False
     return cfg.samples_top_p and bool(cfg.eval_tasks) and "final" in ev \
         and "final" not in (ev.get("full_vocab") or {})
