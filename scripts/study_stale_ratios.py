@@ -11,7 +11,7 @@ run's staleness, or --lag), exactly as the run's samplers would, and teacher-for
 the trainer's BF16 policy at version s and at version s − K. Per sampled token the log-ratio of
 the loss, r = log π_s − log μ_{s−K}, splits into
 
-    r_lag = log π_s − log π_{s−K}   (the optimizer steps between the two versions; same numerics)
+    r_lag = log π_s − log π_{s−K}   (the optimizer steps between the versions; same numerics)
     r_num = log π_{s−K} − log μ_{s−K}   (the samplers' numerics; same weights)
 
 and it reports, for each: the token-level KL (k3, the runs' `kl`), the ratio's p01/p99, the share
@@ -163,15 +163,15 @@ def table(rows: list[dict]) -> str:
             s = row[part]
             bt = s["by_turn"]
             later = [v for t, v in bt.items() if int(t) >= 3]
-            t3 = (sum(v["mean_abs_r"] * v["tokens"] for v in later)
-                  / max(1, sum(v["tokens"] for v in later))) if later else float("nan")
+            n3 = sum(v["tokens"] for v in later)
+            t3 = f'{sum(v["mean_abs_r"] * v["tokens"] for v in later) / n3:.4f}' if n3 else "–"
             turn = " / ".join(f"{bt[t]['mean_abs_r']:.4f}" if t in bt else "–" for t in (1, 2))
             lines.append(
                 f"| {row['run']} | {row['step']} ({row['sampler_version']}) | {part} | "
                 f"{s['kl_k3']:.2e} | {s['ratio_p01']:.3f}–{s['ratio_p99']:.3f} | "
                 f"{s['token_outside']:.4f} | {s['seq_logratio_p05']:+.3f} to "
                 f"{s['seq_logratio_p95']:+.3f} | {s['seq_outside']:.3f} | {s['seq_ess']:.3f} | "
-                f"{turn} / {t3:.4f} |")
+                f"{turn} / {t3} |")
     return "\n".join(lines)
 
 
