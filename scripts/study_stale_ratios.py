@@ -81,6 +81,18 @@ def summarize(rs: list[torch.Tensor], turns: list[torch.Tensor]) -> dict:
     for t in sorted(set(t_all.tolist())):
         sel = tok[t_all == t]
         by_turn[t + 1] = {"tokens": int(sel.numel()), "mean_abs_r": float(sel.abs().mean())}
+    # tokens of turns 2+, by whether the episode's earlier turns (their prefix) already lie
+    # outside [0.5, 5] as a whole
+    far, near = [], []
+    for r, t in zip(rs, turns):
+        r = r.double()
+        for turn in range(1, int(t.max()) + 1 if t.numel() else 0):
+            prefix = r[t < turn].sum().exp()
+            (far if prefix < LOW or prefix > HIGH else near).append(r[t == turn].abs())
+    prefix = {name: {"tokens": int(torch.cat(x).numel()) if x else 0,
+                     "mean_abs_r": float(torch.cat(x).mean()) if x and torch.cat(x).numel()
+                     else None}
+              for name, x in (("outside", far), ("inside", near))}
     return {
         "tokens": int(tok.numel()), "episodes": len(rs),
         "kl_k3": float((ratio - 1 - tok).mean()),
@@ -91,7 +103,7 @@ def summarize(rs: list[torch.Tensor], turns: list[torch.Tensor]) -> dict:
         "seq_logratio_p95": float(torch.quantile(seq, 0.95)),
         "seq_outside": float(((w < LOW) | (w > HIGH)).double().mean()),
         "seq_ess": float(w.sum() ** 2 / (w * w).sum() / len(rs)),
-        "by_turn": by_turn,
+        "by_turn": by_turn, "later_turns_by_prefix": prefix,
     }
 
 
@@ -156,7 +168,8 @@ def measure(ckpt: Path, preset: str | None = None, prompts: int = 8, lag: int | 
 def table(rows: list[dict]) -> str:
     head = ("| run | step (sampler) | part | KL k3 | ratio p01–p99 | tokens outside [0.5, 5] | "
             "episode log-ratio p05–p95 | episodes outside [0.5, 5] | ESS / N | mean abs r, "
-            "turn 1 / 2 / 3+ |\n|---|---|---|---|---|---|---|---|---|---|")
+            "turn 1 / 2 / 3+ | mean abs r, turns 2+, prefix outside / inside [0.5, 5] |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for row in rows:
         for part in ("total", "lag", "numerics"):
@@ -165,13 +178,16 @@ def table(rows: list[dict]) -> str:
             later = [v for t, v in bt.items() if int(t) >= 3]
             n3 = sum(v["tokens"] for v in later)
             t3 = f'{sum(v["mean_abs_r"] * v["tokens"] for v in later) / n3:.4f}' if n3 else "–"
+            pre = " / ".join("–" if v["mean_abs_r"] is None else
+                             f"{v['mean_abs_r']:.4f} ({v['tokens']})"
+                             for v in s["later_turns_by_prefix"].values())
             turn = " / ".join(f"{bt[t]['mean_abs_r']:.4f}" if t in bt else "–" for t in (1, 2))
             lines.append(
                 f"| {row['run']} | {row['step']} ({row['sampler_version']}) | {part} | "
                 f"{s['kl_k3']:.2e} | {s['ratio_p01']:.3f}–{s['ratio_p99']:.3f} | "
                 f"{s['token_outside']:.4f} | {s['seq_logratio_p05']:+.3f} to "
                 f"{s['seq_logratio_p95']:+.3f} | {s['seq_outside']:.3f} | {s['seq_ess']:.3f} | "
-                f"{turn} / {t3} |")
+                f"{turn} / {t3} | {pre} |")
     return "\n".join(lines)
 
 

@@ -75,6 +75,13 @@ def test_the_summary_is_what_its_definitions_say(got):
     assert s["seq_outside"] == pytest.approx(float(((w < 0.5) | (w > 5)).double().mean()))
     first = torch.cat([x[t == 0] for x, t in zip(rs, turns)]).double()
     assert s["by_turn"][1]["mean_abs_r"] == pytest.approx(float(first.abs().mean()))
+    # turns 2+ split by their prefix's ratio: every such token counted once, the means weighted
+    split = s["later_turns_by_prefix"]
+    later = torch.cat([x[t >= 1] for x, t in zip(rs, turns)]).double()
+    assert split["outside"]["tokens"] + split["inside"]["tokens"] == later.numel()
+    if later.numel():
+        mean = sum((v["mean_abs_r"] or 0) * v["tokens"] for v in split.values()) / later.numel()
+        assert mean == pytest.approx(float(later.abs().mean()))
 
 
 def test_the_command_writes_its_table_and_json_and_refuses_a_lag_not_held(checkpoint,
