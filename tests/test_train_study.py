@@ -250,3 +250,32 @@ def test_the_kl_ratio_is_given_at_step_1_and_as_the_studys_run_average():
     assert "sc+mis at staleness 8" in mean and "= 3.0×" in mean and "2 and 2 run(s)" in mean
     assert "95% interval 3.0–3.0×" not in mean  # two seeds each side: a real interval
     assert not any("sc+mis+topp" in x for x in lines)  # no such runs: no line
+
+
+def test_a_run_short_of_its_steps_is_not_judged_a_false_alarm():
+    """Hand-made summaries: a finished run that never halved with a critical alert is a false
+    alarm; a run still short of its steps that has not halved yet (with an alert, say, on its
+    way to a collapse) is listed as not judged, live and replayed."""
+    from mismatch.train.study import Cell
+    from mismatch.train.study_report import _monitor
+
+    steps = 150
+    good = [{"step": s, "kl": 1e-4 * (1 + 0.1 * (s % 3)), "reward": 0.5 + 0.02 * (s % 2),
+             "format_error_rate": 0.01} for s in range(1, steps + 1)]
+    breaking = [dict(r, kl=1e-2, reward=0.3) if r["step"] >= 6 else dict(r) for r in good[:30]]
+
+    def summary(records, alert=None):
+        return {"halved_step": None, "steps": [r["step"] for r in records], "records": records,
+                "critical_alerts": [alert] if alert else [], "first_critical": alert,
+                "alert_signals": ["kl"] if alert else []}
+
+    runs = {Cell("L0", 8, "sc+mis", 0): summary(good),
+            Cell("L0", 8, "sc+mis+topp", 0): summary(good, alert=150),
+            Cell("L0", 8, "sc", 1): summary(breaking, alert=17)}
+    text = "\n".join(_monitor(runs, steps))
+    assert ("Runs whose reward never halved: 2; with a critical alert (false alarms; goal: "
+            "none): 1 (L0-k8-sc_mis_topp-s0 at step 150 on kl).") in text
+    assert "Not judged, short of 150 steps and not halved so far: L0-k8-sc-s1." in text
+    assert "runs that never halved with a critical alert: 0 (runs short of" in text
+    # the short run is replayed (its row is there) but not counted
+    assert "| L0-k8-sc-s1 | L0-k8-sc_mis-s0 | – | 17 |" in text

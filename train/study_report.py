@@ -241,7 +241,11 @@ def _monitor(runs: dict[Cell, dict], steps: int) -> list[str]:
            "run with its default rules (probes.monitor.MonitorConfig: baseline over steps 4–13, "
            "judged from step 14).", ""]
     collapsed = [(c, r) for c, r in runs.items() if r["halved_step"] is not None]
-    stable = [(c, r) for c, r in runs.items() if r["halved_step"] is None]
+    # a run short of its steps that has not halved yet is not judged stable (nor a false alarm)
+    stable = [(c, r) for c, r in runs.items() if r["halved_step"] is None
+              and r["steps"][-1] >= steps]
+    pending = sorted(c.name for c, r in runs.items() if r["halved_step"] is None
+                     and r["steps"][-1] < steps)
     if collapsed:
         out += ["| run | reward halved at | first critical alert | lead (steps) | signals |",
                 "|---|---|---|---|---|"]
@@ -261,7 +265,8 @@ def _monitor(runs: dict[Cell, dict], steps: int) -> list[str]:
             f"alarms; goal: none): {len(alarmed)}" + (" (" + ", ".join(
                 f"{c.name} at step {r['first_critical']} on {', '.join(r['alert_signals'])}"
                 for c, r in sorted(alarmed, key=lambda x: x[0].name)) + ")" if alarmed else "")
-            + "."]
+            + "." + (f" Not judged, short of {steps} steps and not halved so far: "
+                     f"{', '.join(pending)}." if pending else "")]
     return out + _known_good(runs, steps)
 
 
@@ -289,7 +294,7 @@ def _known_good(runs: dict[Cell, dict], steps: int) -> list[str]:
         if halved is not None and step is not None:
             leads.append(halved - step)
         silent += halved is not None and step is None
-        if halved is None and step is not None:
+        if halved is None and step is not None and r["steps"][-1] >= steps:
             false_alarms.append(f"{c.name} at step {step}")
         lead = "–" if halved is None or step is None else str(halved - step)
         rows.append(f"| {c.name} | {ref.name} | {halved if halved is not None else '–'} | "
@@ -308,7 +313,8 @@ def _known_good(runs: dict[Cell, dict], steps: int) -> list[str]:
             f"{sum(x > 0 for x in leads)} of {len(leads) + silent}"
             + (f" (median lead {statistics.median(leads):g} steps)" if leads else "")
             + f"; runs that never halved with a critical alert: {len(false_alarms)}"
-            + (f" ({', '.join(false_alarms)})" if false_alarms else "") + "."]
+            + (f" ({', '.join(false_alarms)})" if false_alarms else "")
+            + " (runs short of their steps not counted)."]
 
 
 def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, command: str,
