@@ -89,10 +89,11 @@ def summarize(rs: list[torch.Tensor], turns: list[torch.Tensor]) -> dict:
         for turn in range(1, int(t.max()) + 1 if t.numel() else 0):
             prefix = r[t < turn].sum().exp()
             (far if prefix < LOW or prefix > HIGH else near).append(r[t == turn].abs())
-    prefix = {name: {"tokens": int(torch.cat(x).numel()) if x else 0,
-                     "mean_abs_r": float(torch.cat(x).mean()) if x and torch.cat(x).numel()
-                     else None}
-              for name, x in (("outside", far), ("inside", near))}
+    prefix = {}
+    for name, x in (("outside", far), ("inside", near)):
+        x = torch.cat(x) if x else torch.zeros(0, dtype=torch.float64)
+        prefix[name] = {"tokens": int(x.numel()),
+                        "mean_abs_r": float(x.mean()) if x.numel() else None}
     return {
         "tokens": int(tok.numel()), "episodes": len(rs),
         "kl_k3": float((ratio - 1 - tok).mean()),
