@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 from dataclasses import fields
 from pathlib import Path
 
@@ -41,7 +42,13 @@ LOW, HIGH = 0.5, 5.0  # MIS's range (the IcePop range; NUMERICS.md §5)
 def load(ckpt: Path, lag: int | None):
     from mismatch.train.config import TrainConfig
 
-    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
+        state["config"], state["step"], state["master"]
+    except (OSError, RuntimeError, KeyError, TypeError, EOFError, ValueError,
+            pickle.UnpicklingError) as exc:
+        raise SystemExit(f"{ckpt}: not a readable checkpoint of `mismatch train` ({exc}); pass "
+                         "a RUN/checkpoints/step-NNNNNN directory") from None
     names = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in state["config"].items() if k in names})
     step, older = int(state["step"]), state.get("older_versions") or {}

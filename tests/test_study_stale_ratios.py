@@ -100,3 +100,16 @@ def test_the_command_writes_its_table_and_json_and_refuses_a_lag_not_held(checkp
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0
     assert "holds versions [1] besides 2, not 0" in bad.stderr
+
+
+def test_a_missing_or_corrupt_checkpoint_is_one_line_and_exits_non_zero(tmp_path):
+    script = [sys.executable, str(ROOT / "scripts" / "study_stale_ratios.py")]
+    corrupt = tmp_path / "step-000010"
+    corrupt.mkdir()
+    (corrupt / "state.pt").write_text("not a checkpoint")
+    for path in (tmp_path / "missing", corrupt):
+        proc = subprocess.run(script + [str(path)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0
+        assert "Traceback" not in proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert "not a readable checkpoint of `mismatch train`" in last
