@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pickle
 from dataclasses import fields
 from pathlib import Path
