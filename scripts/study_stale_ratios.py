@@ -114,6 +114,19 @@ def summarize(rs: list[torch.Tensor], turns: list[torch.Tensor]) -> dict:
     }
 
 
+def trainer_models(base, state: dict, step: int, old_v: int, old_w: dict):
+    """The trainer's BF16 policy at version `step` (the checkpoint's master) and at `old_v`.
+
+    Every model here is built as the run builds its own: a copy of the base model cast to the
+    compute dtype (train.trainer.Trainer; the samplers through train.sampling.model_at). The cast
+    takes the rotary frequencies to BF16 as well, where a freshly loaded model keeps them in
+    FP32: models built the other way differ from the run's by that alone."""
+    from mismatch.train.sampling import model_at
+
+    return (model_at({}, base, torch.bfloat16, step, state["master"]),
+            model_at({}, base, torch.bfloat16, old_v, old_w))
+
+
 def ratios(ckpt: Path, preset: str | None = None, prompts: int = 8, lag: int | None = None,
            model_dir: Path | None = None) -> dict:
     """The per-token log-ratios of fresh episodes from checkpoint `ckpt`: {"parts": {part:
@@ -122,23 +135,20 @@ def ratios(ckpt: Path, preset: str | None = None, prompts: int = 8, lag: int | N
     from mismatch.zoo import load_model, load_tokenizer
     from mismatch.train.fleet import fleet
     from mismatch.train.rollout import COMPUTE_DTYPES
-    from mismatch.train.sampling import sample_units
+    from mismatch.train.sampling import model_at, sample_units
 
     cfg, state, step, old_v, old_w = load(ckpt, lag)
     base_dir = model_dir or cfg.model  # None: the embedded model
     tok = load_tokenizer(base_dir)
-    new = load_model(base_dir, dtype="bfloat16").eval()
-    new.load_state_dict({n: w.to(torch.bfloat16) for n, w in state["master"].items()})
-    old = load_model(base_dir, dtype="bfloat16").eval()
-    old.load_state_dict({n: w.to(torch.bfloat16) for n, w in old_w.items()})
+    base = load_model(base_dir, dtype="bfloat16")
+    new, old = trainer_models(base, state, step, old_v, old_w)
     groups = fleet(preset or cfg.fleet)
     parts = {"total": ([], []), "lag": ([], []), "numerics": ([], [])}
     per_group = {}
     unit = int(state["next_unit"])
     for g in groups:
         dtype = COMPUTE_DTYPES[g.spec.compute_dtype]
-        sampler = load_model(base_dir, dtype=dtype).eval()
-        sampler.load_state_dict({n: w.to(dtype) for n, w in old_w.items()})
+        sampler = model_at({}, base, dtype, old_v, old_w)
         units = list(range(unit, unit + prompts))
         unit += prompts
         with torch.no_grad():

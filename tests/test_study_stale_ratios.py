@@ -113,3 +113,31 @@ def test_a_missing_or_corrupt_checkpoint_is_one_line_and_exits_non_zero(tmp_path
         assert "Traceback" not in proc.stderr
         last = proc.stderr.strip().splitlines()[-1]
         assert "not a readable checkpoint of `mismatch train`" in last
+
+
+def test_the_trainer_models_are_the_runs_own(checkpoint):
+    """The script's trainer policy at a checkpoint is the run's: the run's Trainer, restored from
+    the same checkpoint, holds the same tensors (the rotary frequencies' dtype included) and
+    gives the same logits. A model freshly loaded in BF16 keeps its rotary frequencies in FP32
+    and would not."""
+    from mismatch.train.trainer import Trainer
+    from mismatch.zoo import load_model
+
+    mod = _script()
+    cfg, state, step, old_v, old_w = mod.load(checkpoint, None)
+    base = load_model(cfg.model, dtype="bfloat16")
+    new, _ = mod.trainer_models(base, state, step, old_v, old_w)
+    run = Trainer(base, cfg)
+    run.load(state)
+    ours = dict(new.named_buffers()) | dict(new.named_parameters())
+    theirs = dict(run.compute.named_buffers()) | dict(run.compute.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+    ids = torch.randint(0, base.config.vocab_size, (1, 48),
+                        generator=torch.Generator().manual_seed(0))
+    run.compute.eval()
+    with torch.no_grad():
+        assert torch.equal(new(ids).logits, run.compute(ids).logits)
+    fresh = dict(load_model(cfg.model, dtype="bfloat16").named_buffers())
+    assert any(b.dtype != ours[n].dtype for n, b in fresh.items())
