@@ -27,7 +27,7 @@ SNAPSHOT = {
     "quantize": ["--calib-samples", "--calib-seq-len", "--force", "--format", "--kv-cache",
                  "--model", "--out", "--seed"],
     "report": ["--out"],
-    "study": ["--arms", "--eval-full-vocab", "--eval-tasks", "--export", "--fleets", "--jobs",
+    "study": ["--adopt", "--arms", "--eval-full-vocab", "--eval-tasks", "--export", "--fleets", "--jobs",
               "--lr", "--notes", "--out", "--policy-steps", "--preset", "--prompts", "--quiet", "--report", "--report-only",
               "--samples", "--seeds", "--staleness", "--steps", "--sync-arms", "--tasks"],
     "train": ["--address", "--backend", "--checkpoint-every", "--correction", "--eval-every",

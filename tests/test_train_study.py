@@ -17,6 +17,7 @@ import pytest
 
 from mismatch.runtime import core_slots
 from mismatch.train.study import STUDY_PRESETS, cells, run_order, run_state
+from mismatch.train.study_logs import export_logs
 from mismatch.train.study_report import summarize_run
 from mismatch.train.study_summary import replayed_alert
 from mismatch.train.rundir import latest_checkpoint, read_metrics
@@ -177,6 +178,58 @@ def test_report_only_rebuilds_from_the_saved_grid(ci_study, tmp_path):
     assert "| L2 | 2 | grpo | 1 |" in text and "| L0 |" not in text  # the saved grid, not "full"
     png = (tmp_path / "again-reward.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000  # a drawn figure
+
+
+def test_a_new_machine_adopts_the_finished_runs_of_an_export(ci_study, tmp_path):
+    """`--adopt DIR`: a grid on a machine holding only the committed logs reruns none of the
+    finished runs; a run whose export stops short runs again, to the same numbers; a finished
+    export made with other settings is refused before anything is written."""
+    out, _, _ = ci_study
+    logs = tmp_path / "logs"
+    export = _cli(["study", "--out", str(out), "--report-only", "--export", str(logs)])
+    assert export.returncode == 0, export.stderr
+    cut = logs / "L2-k2-sc_mis-s0" / "metrics.jsonl"
+    cut.write_text("".join(cut.read_text().splitlines(keepends=True)[:2]))
+    grid = ["study", "--preset", "ci", "--sync-arms", "", "--quiet"]
+    new = tmp_path / "new"
+    proc = _cli(grid + ["--out", str(new), "--adopt", str(logs)])
+    assert proc.returncode == 0, proc.stderr
+    assert "1 run(s) finished, 1 already done (1 adopted)" in proc.stdout
+    adopted, rerun = new / "L2-k2-grpo-s0", new / "L2-k2-sc_mis-s0"
+    assert (adopted / "adopted.json").is_file() and run_state(adopted, 3) == "done"
+    assert latest_checkpoint(adopted) is None and not (adopted / "final").exists()
+    for name in ("metrics.jsonl", "eval.json", "config.json"):
+        assert (adopted / name).read_bytes() == (out / adopted.name / name).read_bytes()
+    assert not (rerun / "adopted.json").exists() and (rerun / "final").is_dir()
+    keys = ("step", "reward", "kl", "grad_norm")
+    assert ([[r[k] for k in keys] for r in read_metrics(rerun / "metrics.jsonl")]
+            == [[r[k] for k in keys] for r in read_metrics(out / rerun.name / "metrics.jsonl")])
+    again = _cli(grid + ["--out", str(new), "--adopt", str(logs)])
+    assert "0 run(s) finished, 2 already done (0 adopted)" in again.stdout
+    # another grid's settings, or no such folder: one line, exit 2, no run written
+    for args, match in ((["--lr", "0.01", "--adopt", str(logs)], "lr=0.0003"),
+                        (["--adopt", str(tmp_path / "none")], "no such directory")):
+        other = tmp_path / "other"
+        bad = _cli(grid + ["--out", str(other)] + args)
+        lines = [x for x in bad.stderr.splitlines() if x.strip()]
+        assert bad.returncode == 2 and len(lines) == 1 and match in lines[0], bad.stderr
+        assert not other.exists() or not any(p.name.startswith("L2") for p in other.iterdir())
+
+
+def test_an_export_keeps_a_longer_log_than_the_run_it_copies(ci_study, tmp_path):
+    """A rerun still behind an earlier export of the same run does not overwrite it."""
+    out, _, _ = ci_study
+    dest = tmp_path / "logs"
+    longer = dest / "L2-k2-grpo-s0" / "metrics.jsonl"
+    longer.parent.mkdir(parents=True)
+    recs = read_metrics(out / longer.parent.name / "metrics.jsonl")
+    recs.append(dict(recs[-1], step=recs[-1]["step"] + 1))
+    longer.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    before = longer.read_bytes()
+    copied = export_logs(STUDY_PRESETS["ci"](), out, dest)
+    assert longer.read_bytes() == before and "L2-k2-grpo-s0" not in copied
+    shorter = "L2-k2-sc_mis-s0/metrics.jsonl"
+    assert (dest / shorter).read_bytes() == (out / shorter).read_bytes()
 
 
 def test_a_killed_study_resumes_its_runs(tmp_path):

@@ -17,7 +17,8 @@ Each cell is one run directory `OUT/<fleet>-k<K>-<arm>-s<seed>` (`-sync-` for a 
 in the arm name becomes `_`). Every run starts from the same policy: the embedded model, or
 (`policy_steps`) a zoo policy trained less, built once into `OUT/policy-<N>`. Runs go as
 subprocesses, `jobs` at a time, each pinned to cores of its own (mismatch.runtime.core_slots).
-Resumable: a run whose `final/` exists and whose log reached its steps is never rerun; a run
+Resumable: a run whose `final/` exists and whose log reached its steps is never rerun, nor is
+one adopted from an export of its finished logs (`adopt`, train/study_logs.py); a run
 with a checkpoint restarts from it (`--resume`); a run killed before its first checkpoint starts
 again from scratch.
 `OUT/study.json` records the grid so that `--report-only` can rebuild the report.
@@ -38,6 +39,8 @@ from typing import Any, Callable
 
 from mismatch.io import atomic_path, atomic_write_text
 from mismatch.runtime import child_setup, core_slots, parent_death_signal
+
+from .study_logs import ADOPTED, adopt_logs, export_logs, steps_logged
 
 __all__ = ["FLEETS", "ARMS", "StudyConfig", "STUDY_PRESETS", "Cell", "cells", "run_grid",
            "run_state", "run_order", "build_policy", "export_logs"]
@@ -184,18 +187,12 @@ def run_order(cfg: StudyConfig, cell: Cell) -> tuple:
     return (0 if kind == 0 and seed < 2 else 1 + seed), kind, seed, rank[cell.fleet]
 
 
-def _steps_logged(run: Path) -> int:
-    from .rundir import read_metrics
-
-    recs = read_metrics(run / "metrics.jsonl")
-    return recs[-1]["step"] if recs else 0
-
-
 def run_state(run: Path, steps: int) -> str:
     """done | resume (a checkpoint to continue from) | fresh (nothing, or nothing worth keeping)"""
     from .rundir import latest_checkpoint
 
-    if (run / "final").is_dir() and _steps_logged(run) >= steps:
+    finished = (run / "final").is_dir() or (run / ADOPTED).is_file()  # adopted: study_logs
+    if finished and steps_logged(run) >= steps:
         return "done"
     if latest_checkpoint(run) is not None:
         return "resume"
@@ -234,6 +231,8 @@ class GridResult:
     skipped: list[str] = field(default_factory=list)
     """Finished before this invocation (never rerun)."""
     resumed: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+    """Finished elsewhere: their exported logs taken in (study_logs.adopt_logs)."""
     failed: dict[str, str] = field(default_factory=dict)
     """run name → the last line of its log."""
     seconds: float = 0.0
@@ -259,22 +258,24 @@ def _lock(out: Path):
 
 def run_grid(cfg: StudyConfig, out: Path, *, jobs: int = 2,
              progress: Callable[[dict[str, Any]], None] | None = None,
-             poll_seconds: float = 1.0, command: str = "") -> GridResult:
+             poll_seconds: float = 1.0, command: str = "", adopt: Path | None = None
+             ) -> GridResult:
     """Run every cell not yet done, `jobs` processes at a time (`command`, the invocation, is
-    saved in OUT/study.json for the report). `progress` gets
+    saved in OUT/study.json for the report), after adopting the finished runs of the export
+    `adopt` (study_logs.adopt_logs). `progress` gets
     {"steps": steps logged over all runs, "total": …, "running": [names], "done": n, "failed": n}
     after every poll."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
     try:
-        return _run_grid(cfg, out, jobs, progress, poll_seconds, command)
+        return _run_grid(cfg, out, jobs, progress, poll_seconds, command, adopt)
     finally:
         lock.close()
 
 
 def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: float,
-              command: str) -> GridResult:
+              command: str, adopt: Path | None) -> GridResult:
     meta = out / "study.json"
     if meta.exists():
         saved = json.loads(meta.read_text())
@@ -286,9 +287,9 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
             k = shared[0]
             raise ValueError(f"{out} holds a study with {k}={saved.get(k)!r}, not "
                              f"{mine.get(k)!r}; use the same settings or another --out")
+    result = GridResult(adopted=adopt_logs(cfg, out, adopt) if adopt else [])
     _write_json(meta, dict(asdict(cfg), command=command))
     build_policy(cfg, out)
-    result = GridResult()
     todo: list[tuple[Cell, bool]] = []
     for cell in cells(cfg):
         run = out / cell.name
@@ -309,13 +310,13 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
     slots = core_slots(jobs)
     free = list(range(len(slots))) if slots else []
     held: dict[str, int] = {}  # run name → its slot of `slots`
-    logged = {c.name: _steps_logged(out / c.name) for c in cells(cfg)}
+    logged = {c.name: steps_logged(out / c.name) for c in cells(cfg)}
 
     def report() -> None:
         if progress is None:
             return
         for name in running:
-            logged[name] = _steps_logged(out / name)
+            logged[name] = steps_logged(out / name)
         progress({"steps": sum(logged.values()), "total": total, "running": sorted(running),
                   "done": len(result.done) + len(result.skipped), "runs": len(cells(cfg)),
                   "failed": len(result.failed)})
@@ -350,7 +351,7 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
                 del running[name]
                 if name in held:
                     free.append(held.pop(name))
-                logged[name] = _steps_logged(run)
+                logged[name] = steps_logged(run)
                 if code == 0:
                     result.done.append(name)
                 else:
@@ -369,31 +370,3 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
             log.close()
     result.seconds = time.perf_counter() - t0
     return result
-
-
-_LOGS = ("metrics.jsonl", "alerts.jsonl", "eval.json", "config.json", "command.txt")
-"""What a run directory holds that the report reads (no checkpoints, no weights)."""
-
-
-def export_logs(cfg: StudyConfig, out: Path, dest: Path) -> list[str]:
-    """Copy OUT/study.json and every run's logs (`_LOGS`) into `dest` (each file written to a
-    temporary name and renamed), so that `--report-only --out DEST` rebuilds the report without
-    the checkpoints. Returns the runs copied."""
-    out, dest = Path(out), Path(dest)
-    if not (out / "study.json").is_file():
-        raise ValueError(f"{out} holds no study (no study.json); run it first")
-    copied = []
-    for cell in cells(cfg):
-        run = out / cell.name
-        if not (run / "metrics.jsonl").is_file():
-            continue
-        (dest / cell.name).mkdir(parents=True, exist_ok=True)
-        for name in _LOGS:
-            if (run / name).is_file():
-                with atomic_path(dest / cell.name / name) as tmp:
-                    shutil.copyfile(run / name, tmp)
-        copied.append(cell.name)
-    with atomic_path(dest / "study.json") as tmp:
-        shutil.copyfile(out / "study.json", tmp)
-    return copied
-

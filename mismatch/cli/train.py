@@ -251,6 +251,10 @@ def study_command(
     export: Optional[Path] = typer.Option(None, "--export", help="Also copy study.json and "
                                           "every run's logs (no checkpoints) here, e.g. to "
                                           "commit them; `--report-only --out DIR` reads them."),
+    adopt: Optional[Path] = typer.Option(None, "--adopt", help="An --export folder: its runs "
+                                         "that finished with this grid's settings count as "
+                                         "done (their logs are copied into OUT), so a new "
+                                         "machine resumes the grid from committed logs."),
     eval_full_vocab: bool = typer.Option(False, "--eval-full-vocab", help="Evaluate the base "
                                          "and final policy of each finished top-p run that was "
                                          "evaluated only through its nucleus (made before "
@@ -275,6 +279,8 @@ def study_command(
                              f"{', '.join(STUDY_PRESETS)}")
         if jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {jobs}")
+        if report_only and adopt is not None:
+            raise ValueError("--adopt is for a grid that runs; to report on an export, --out it")
         if notes is not None and not notes.is_file():
             raise ValueError(f"--notes {notes}: no such file")
         cfg = STUDY_PRESETS[preset]()
@@ -296,7 +302,8 @@ def study_command(
     if not report_only:
         try:
             result = _with_grid_display(
-                lambda p: run_grid(cfg, out, jobs=jobs, progress=p, command=command),
+                lambda p: run_grid(cfg, out, jobs=jobs, progress=p, command=command,
+                                   adopt=adopt),
                 quiet=quiet)
         except ValueError as exc:
             fail(str(exc))
@@ -304,7 +311,8 @@ def study_command(
             fail(f"cannot run the study in {out}: {exc.strerror or exc}; choose another --out")
         elapsed = result.seconds
         typer.echo(f"{out}: {len(result.done)} run(s) finished, {len(result.skipped)} already "
-                   f"done, {len(result.resumed)} resumed, {len(result.failed)} failed "
+                   f"done ({len(result.adopted)} adopted), {len(result.resumed)} resumed, "
+                   f"{len(result.failed)} failed "
                    f"({result.seconds / 60:.1f} min)")
         for name, last in result.failed.items():
             typer.echo(f"failed: {name}: {last} (log: {out / name / 'train.log'})", err=True)
@@ -319,7 +327,7 @@ def study_command(
         fail(f"cannot write the report {report or out / 'study.md'}: {exc.strerror or exc}")
     typer.echo(f"wrote {path}")
     if export is not None:
-        from mismatch.train.study import export_logs
+        from mismatch.train.study_logs import export_logs
 
         try:
             runs = export_logs(cfg, out, export)
