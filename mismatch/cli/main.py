@@ -34,7 +34,8 @@ def _register() -> None:
     from mismatch.cli.probe import probe_command
     from mismatch.cli.quantize import formats_command, profiles_command, quantize_command
     from mismatch.cli.qualify import qualify_command
-    from mismatch.cli.train import report_command, study_command, train_command
+    from mismatch.cli.study import study_command
+    from mismatch.cli.train import report_command, train_command
     from mismatch.cli.zoo import zoo_app
 
     for name, command in (("formats", formats_command), ("quantize", quantize_command),
