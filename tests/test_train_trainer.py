@@ -133,6 +133,16 @@ def test_forced_staleness_is_exact(tmp_path, model, tok):
     assert [r["units"] for r in recs] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+def test_the_newest_checkpoints_are_kept_or_every_one(async_run, tmp_path, model, tok):
+    names = lambda out: sorted(p.name for p in (out / "checkpoints").iterdir())  # noqa: E731
+    assert names(async_run[0]) == ["step-000002", "step-000003"]  # the default: newest 2
+    cfg = preset_config("smoke", keep_checkpoints=0, **SMALL)
+    run(cfg, tmp_path / "all", model=model, tokenizer=tok, log_alerts=False)
+    assert names(tmp_path / "all") == ["step-000001", "step-000002", "step-000003"]
+    with pytest.raises(ValueError, match="keep-checkpoints"):
+        TrainConfig(keep_checkpoints=-1)
+
+
 def test_bounded_staleness_is_respected(tmp_path, model, tok):
     cfg = preset_config("smoke", max_staleness=1, workers=2, **SMALL)
     run(cfg, tmp_path / "b", model=model, tokenizer=tok, log_alerts=False)

@@ -63,6 +63,9 @@ class TrainConfig:
     """Back-pressure of the unbounded pipeline: steps' worth of units claimed ahead at most."""
     checkpoint_every: int = 10
     """Checkpoint every this many steps (and at the end or a stop)."""
+    keep_checkpoints: int = 2
+    """The newest checkpoints kept (older ones are deleted as new ones land); 0: every one, for
+    measurements on a run's history (scripts/study_stale_ratios.py)."""
     threads: int = 1
     """torch intra-op threads (the process's; every worker and the trainer share them; in the
     lockstep modes the trainer's step also takes the idle workers' share: lockstep_threads)."""
@@ -97,8 +100,9 @@ class TrainConfig:
         if self.eval_tasks < 0 or self.eval_samples < 1 or self.eval_every < 0:
             raise ValueError(f"eval-tasks and eval-every must be >= 0 and eval-samples >= 1, "
                              f"got {self.eval_tasks}, {self.eval_every}, {self.eval_samples}")
-        if self.sampler_processes < 0:
-            raise ValueError(f"sampler-processes must be >= 0, got {self.sampler_processes}")
+        if self.sampler_processes < 0 or self.keep_checkpoints < 0:
+            raise ValueError(f"sampler-processes and keep-checkpoints must be >= 0, got "
+                             f"{self.sampler_processes}, {self.keep_checkpoints}")
         for name in ("steps", "prompts_per_step", "max_turns", "max_new_tokens", "candidates",
                      "top_p_max_tokens", "workers", "queue_steps", "checkpoint_every",
                      "threads"):
@@ -146,7 +150,7 @@ class TrainConfig:
         return ARMS[self.correction].top_p
 
     # fields a resume may change without changing what the run computes
-    RESUMABLE = ("steps", "checkpoint_every", "threads", "workers", "eval_tasks",
+    RESUMABLE = ("steps", "checkpoint_every", "keep_checkpoints", "threads", "workers", "eval_tasks",
                  "eval_samples", "eval_every", "sampler_processes")
 
 

@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["latest_checkpoint", "save_checkpoint", "check_ranks", "read_metrics", "cut_jsonl",
            "check_resume", "check_out", "write_json", "save_final"]
 
-_CHECKPOINTS_KEPT = 2
-
-
 def write_json(path: Path, obj: Any) -> None:
     """`obj` as indented JSON, written atomically (config.json, eval.json)."""
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
@@ -50,7 +47,8 @@ def latest_checkpoint(out: Path) -> Path | None:
 def save_checkpoint(out: Path, step: int, trainer: Trainer | dict[str, Any], next_unit: int,
                     cfg: TrainConfig, older: dict[int, dict[str, torch.Tensor]] | None = None
                     ) -> Path:
-    """Write checkpoints/step-NNNNNN (temporary sibling, then renamed; the newest two kept).
+    """Write checkpoints/step-NNNNNN (temporary sibling, then renamed; the newest
+    `cfg.keep_checkpoints` kept, every one when 0).
     `trainer`: a Trainer, or the trainer state to save ({"master", "optimizer", ...})."""
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -60,7 +58,8 @@ def save_checkpoint(out: Path, step: int, trainer: Trainer | dict[str, Any], nex
         torch.save({"step": step, "next_unit": next_unit, "config": asdict(cfg), **state,
                     "older_versions": older or {}},
                    tmp / "state.pt")
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-_CHECKPOINTS_KEPT]:
+    held = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in held[:-cfg.keep_checkpoints] if cfg.keep_checkpoints else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -50,6 +50,8 @@ def train_command(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (1)."),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every",
                                                    help="Checkpoint every N steps (10)."),
+    keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="The "
+                                                   "newest N checkpoints kept (2; 0: all)."),
     eval_tasks: Optional[int] = typer.Option(None, "--eval-tasks", help="Held-out tasks "
                                              "evaluated before and after (64; smoke 0)."),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Also evaluate the "
@@ -94,6 +96,7 @@ def train_command(
                             sync=sync or None, workers=workers,
                             sampler_processes=_sampler_processes(sampler_processes, backend),
                             threads=threads, checkpoint_every=checkpoint_every,
+                            keep_checkpoints=keep_checkpoints,
                             eval_tasks=eval_tasks, eval_every=eval_every, tasks=tasks,
                             seed=seed, model=str(model) if model else None)
         check_out(out, resume, cfg)
