@@ -5,7 +5,8 @@ and episode by episode, and what MIS's mask removes of them.
         [--preset mixed] [--prompts 8] [--out FILE.json]
 
 A checkpoint of a forced-lag run holds the trainer's FP32 master (version s) and the published
-BF16 weights of the versions before it. From one checkpoint this samples fresh episodes of the
+BF16 weights of the versions before it (`mismatch train --keep-checkpoints 0` keeps every
+checkpoint of a run; the default keeps the newest two). From one checkpoint this samples fresh episodes of the
 run's next tasks with the fleet's samplers (their emulated numerics) at version s − K (K = the
 run's staleness, or --lag), exactly as the run's samplers would, and teacher-forces them through
 the trainer's BF16 policy at version s and at version s − K. Per sampled token the log-ratio of
