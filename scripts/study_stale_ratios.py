@@ -6,11 +6,11 @@ and episode by episode, and what MIS's mask removes of them.
 
 A checkpoint of a forced-lag run holds the trainer's FP32 master (version s) and the published
 BF16 weights of the versions before it (`mismatch train --keep-checkpoints 0` keeps every
-checkpoint of a run; the default keeps the newest two). From one checkpoint this samples fresh episodes of the
-run's next tasks with the fleet's samplers (their emulated numerics) at version s − K (K = the
-run's staleness, or --lag), exactly as the run's samplers would, and teacher-forces them through
-the trainer's BF16 policy at version s and at version s − K. Per sampled token the log-ratio of
-the loss, r = log π_s − log μ_{s−K}, splits into
+checkpoint of a run; the default keeps the newest two). From one checkpoint this samples fresh
+episodes of the run's next tasks with the fleet's samplers (their emulated numerics) at version
+s − K (K = the run's staleness, or --lag), exactly as the run's samplers would, and
+teacher-forces them through the trainer's BF16 policy at version s and at version s − K. Per
+sampled token the log-ratio of the loss, r = log π_s − log μ_{s−K}, splits into
 
     r_lag = log π_s − log π_{s−K}   (the optimizer steps between the versions; same numerics)
     r_num = log π_{s−K} − log μ_{s−K}   (the samplers' numerics; same weights)

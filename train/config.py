@@ -100,9 +100,11 @@ class TrainConfig:
         if self.eval_tasks < 0 or self.eval_samples < 1 or self.eval_every < 0:
             raise ValueError(f"eval-tasks and eval-every must be >= 0 and eval-samples >= 1, "
                              f"got {self.eval_tasks}, {self.eval_every}, {self.eval_samples}")
-        if self.sampler_processes < 0 or self.keep_checkpoints < 0:
-            raise ValueError(f"sampler-processes and keep-checkpoints must be >= 0, got "
-                             f"{self.sampler_processes}, {self.keep_checkpoints}")
+        if self.sampler_processes < 0:
+            raise ValueError(f"sampler-processes must be >= 0, got {self.sampler_processes}")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep-checkpoints must be >= 0 (0: keep every checkpoint), got "
+                             f"{self.keep_checkpoints}")
         for name in ("steps", "prompts_per_step", "max_turns", "max_new_tokens", "candidates",
                      "top_p_max_tokens", "workers", "queue_steps", "checkpoint_every",
                      "threads"):
@@ -150,8 +152,8 @@ class TrainConfig:
         return ARMS[self.correction].top_p
 
     # fields a resume may change without changing what the run computes
-    RESUMABLE = ("steps", "checkpoint_every", "keep_checkpoints", "threads", "workers", "eval_tasks",
-                 "eval_samples", "eval_every", "sampler_processes")
+    RESUMABLE = ("steps", "checkpoint_every", "keep_checkpoints", "threads", "workers",
+                 "eval_tasks", "eval_samples", "eval_every", "sampler_processes")
 
 
 # ---------------------------------------------------------------------------------------------

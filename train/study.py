@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mismatch.io import atomic_path, atomic_write_text
+from mismatch.io import atomic_write_text
 from mismatch.runtime import child_setup, core_slots, parent_death_signal
 
 from .study_logs import ADOPTED, adopt_logs, export_logs, steps_logged
