@@ -14,8 +14,9 @@ from mismatch.cli.main import app
 SNAPSHOT = {
     "formats": [],
     "profiles": [],
-    "monitor": ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json", "--map",
-                "--max-idle", "--poll-interval", "--prometheus-port", "--webhook"],
+    "monitor": ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json",
+                "--kl-floor", "--map", "--max-idle", "--poll-interval", "--prometheus-port",
+                "--webhook"],
     "probe": ["--batch-size", "--ci-target", "--dtype", "--emulate", "--fleet-shares", "--gpu", "--json",
               "--kv-cache", "--ladder", "--max-new-tokens", "--max-prompts", "--model", "--n-prompts", "--out",
               "--prompts", "--seed", "--sources", "--staleness-checkpoints", "--staleness-lr",

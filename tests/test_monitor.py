@@ -26,7 +26,8 @@ from mismatch.zoo.episode import Episode, EpisodeConfig
 from mismatch.zoo.tasks import make_task
 from mismatch.probes.monitor import (CollapseMonitor, MonitorConfig, SignalRule, baselines_from,
                                      default_rules, episode_end_reason, episode_summary,
-                                     follow_lines)
+                                     follow_lines, with_kl_floor)
+from mismatch.probes.monitor.rules import CRITICAL, NORMAL, judge
 
 from mismatch.probes.monitor import traces as bench  # noqa: E402  the study's collapse shapes
 
@@ -499,8 +500,9 @@ def test_monitor_option_snapshot_and_light_import():
 
     command = typer.main.get_command(_app()).commands["monitor"]
     options = sorted(o for p in command.params for o in p.opts if o.startswith("--"))
-    assert options == ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json", "--map",
-                       "--max-idle", "--poll-interval", "--prometheus-port", "--webhook"]
+    assert options == ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json",
+                       "--kl-floor", "--map", "--max-idle", "--poll-interval", "--prometheus-port",
+                       "--webhook"]
     # the CLI module loads the monitor package (the --format choices come from it), but nothing
     # heavy: no tensors, no rich console, no network stack (the webhook and Prometheus sinks
     # import theirs when a run asks for them)
@@ -542,3 +544,37 @@ def test_cli_baseline_from_a_known_good_log(tmp_path):
     for path, match in ((short, "too few for a baseline"), (tmp_path / "nope", "no such file")):
         res = _run(str(bad), "--baseline", str(path))
         assert res.exit_code == 2 and match in res.output
+
+
+def test_cli_kl_floor_silences_a_tiny_kl_that_grows_but_not_a_collapse(tmp_path):
+    """The study's on-policy control (L0 SC+MIS seed 0) alerted at step 49 on a KL of 8.2e-5, 7×
+    its baseline of 1.15e-5, with nothing wrong. A floor of 1e-3 silences that shape and keeps the
+    alert on a collapse's KL (1e-3 → 1.5e-2, the grid's GRPO at staleness 8)."""
+    def log(name, low, high):
+        return _write(tmp_path / name, [{"step": s, "kl": low if s < 30 else high, "reward": 0.5}
+                                        for s in range(1, 60)])
+    sharpening = log("sync.jsonl", 1.15e-5, 8.2e-5)
+    collapse = log("collapse.jsonl", 1e-3, 1.5e-2)
+    assert _run(str(sharpening), "--json").exit_code == 1  # the default: growth alone
+    quiet = _run(str(sharpening), "--json", "--kl-floor", "1e-3")
+    assert quiet.exit_code == 0, quiet.output
+    assert json.loads(quiet.stdout.splitlines()[-1])["summary"]["alerts"]["critical"] == 0
+    loud = _run(str(collapse), "--json", "--kl-floor", "1e-3")
+    assert loud.exit_code == 1
+    first = json.loads(loud.stdout.splitlines()[0])
+    assert (first["signal"], first["severity"], first["step"]) == ("kl", "critical", 32)
+    for bad in ("-1e-3", "nan", "inf"):
+        res = _run(str(collapse), "--kl-floor", bad)
+        assert res.exit_code == 2 and "--kl-floor" in res.output and "\n" not in res.output.strip()
+
+
+def test_with_kl_floor_changes_the_kl_rule_alone():
+    rules = default_rules()
+    floored = with_kl_floor(rules, 1e-3)
+    assert floored["kl"].floor == 1e-3 and rules["kl"].floor == 0.0  # a copy, not in place
+    assert {k: v for k, v in floored.items() if k != "kl"} == {k: v for k, v in rules.items()
+                                                               if k != "kl"}
+    assert judge(floored["kl"], 8e-5, 1e-5)[0] == NORMAL
+    assert judge(floored["kl"], 4e-3, 1e-3)[0] == CRITICAL
+    with pytest.raises(ValueError, match="--kl-floor"):
+        with_kl_floor(rules, -1.0)

@@ -52,7 +52,7 @@ def test_child_setup_pins_a_real_child_to_its_slot():
 _NICE_CHILD = r"""
 import os, subprocess, sys
 from mismatch.runtime import child_setup
-os.nice(7)
+print(os.nice(7))  # the niceness now: 7 above whatever the test runner was started with
 read = [sys.executable, "-c", "print(open('/proc/self/autogroup').read().split()[-1])"]
 for hook in (None, child_setup(None, None)):
     out = subprocess.run(read, capture_output=True, text=True, start_new_session=True,
@@ -65,10 +65,13 @@ for hook in (None, child_setup(None, None)):
 def test_a_child_in_a_session_of_its_own_keeps_the_parents_niceness():
     """With autogroups each session shares the CPUs fairly whatever its processes' niceness: a
     niced study's runs, each in a session of its own, would compete at full weight. The child
-    hook gives the child's group the parent's niceness (7 here; a bare new session gets 0)."""
+    hook gives the child's group the parent's niceness (a bare new session gets 0). The parent
+    raises its own by 7, so the test holds under a runner that is itself niced."""
     out = subprocess.run([sys.executable, "-c", _NICE_CHILD], capture_output=True, text=True,
                          timeout=120, check=True)
-    assert out.stdout.split() == ["0", "7"]
+    niceness, bare, hooked = out.stdout.split()
+    assert int(niceness) >= 7
+    assert (bare, hooked) == ("0", niceness)
 
 
 _GROWTH = r"""

@@ -7,7 +7,8 @@ from typing import NoReturn
 
 import typer
 
-__all__ = ["EXIT_BAD_INPUT", "fail", "preset_help", "quiet_libraries", "run_with_bars"]
+__all__ = ["EXIT_BAD_INPUT", "fail", "preset_help", "quiet_libraries", "run_with_bars",
+           "run_with_state_bar"]
 
 EXIT_BAD_INPUT = 2
 """Exit code of bad input (a one-line error on stderr)."""
@@ -83,3 +84,29 @@ def run_with_bars(fn, *, quiet: bool):
             bar.update(tasks[label], completed=done, total=total)
 
         return fn(progress)
+
+
+def run_with_state_bar(fn, *, quiet: bool, label: str, total, completed, describe):
+    """fn(progress) with a bar on stderr, opened at the first progress call (so that an error
+    before it — a bad checkpoint, say — stays one line). total, completed, describe: of the
+    state passed to progress."""
+    if quiet:
+        return fn(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    bar = Progress("[progress.description]{task.description}", BarColumn(),
+                   MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True))
+    task = None
+
+    def progress(state: dict) -> None:
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task(label, total=total(state))
+        bar.update(task, completed=completed(state), description=describe(state))
+
+    try:
+        return fn(progress)
+    finally:
+        bar.stop()

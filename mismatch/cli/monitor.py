@@ -80,6 +80,11 @@ def monitor_command(
     baseline: Path | None = typer.Option(None, "--baseline", help="A known-good run's log (same "
                                          "format): take the baselines from its steps 4-13 and "
                                          "judge this run from its first steps, not from step 14."),
+    kl_floor: float = typer.Option(0.0, "--kl-floor", help="Judge the KL's growth only where the "
+                                   "KL is also at least this level, e.g. 1e-3 (default 0: growth "
+                                   "alone). Set it to your KL's scale: an on-policy run's tiny KL "
+                                   "grows harmlessly as the policy sharpens, and frameworks' KL "
+                                   "proxies run low (slime's ~1e-4)."),
 ) -> None:
     """Watch a training run's metrics for the collapse signature: exit 0 quiet, 1 alert, 2 bad
     input."""
@@ -87,7 +92,8 @@ def monitor_command(
     from mismatch.probes.monitor import (SEVERITIES, CollapseMonitor, MonitorConfig,
                                          baselines_from_log, check_log, open_sinks, read_records,
                                          run_summary, severity_rank, sink_problems,
-                                         stop_on_signals, summary_line, unreadable)
+                                         default_rules, stop_on_signals, summary_line,
+                                         unreadable, with_kl_floor)
     from mismatch.probes.monitor.formats import RecordReader, get_adapter
 
     try:
@@ -100,8 +106,8 @@ def monitor_command(
         if max_idle is not None and max_idle < 0:
             raise ValueError(f"--max-idle must be >= 0 seconds, got {max_idle}")
         check_log(file, adapter, follow=follow)
-        config = MonitorConfig(baselines=baselines_from_log(baseline, adapter)) if baseline \
-            else None
+        config = MonitorConfig(rules=with_kl_floor(default_rules(), kl_floor),
+                               baselines=baselines_from_log(baseline, adapter) if baseline else {})
         sinks = open_sinks(_display(as_json), alert_log=alert_log,
                            prometheus_port=prometheus_port, webhook=webhook)
         if prometheus_port is not None:

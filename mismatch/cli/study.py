@@ -14,8 +14,7 @@ from typing import Optional
 
 import typer
 
-from mismatch.cli.common import preset_help
-from mismatch.cli.train import _with_bar
+from mismatch.cli.common import preset_help, run_with_state_bar
 from mismatch.train.study import STUDY_PRESETS
 
 __all__ = ["study_command"]
@@ -191,7 +190,7 @@ def _saved_study(out: Path, cfg, over: dict):
 
 def _with_grid_display(fn, *, quiet: bool):
     """fn(progress) with a bar over the steps of the whole grid and the runs in flight."""
-    return _with_bar(fn, quiet=quiet, label="study", total=lambda st: st["total"],
-                     completed=lambda st: st["steps"], describe=lambda st: (
-                         f"runs {st['done']}/{st['runs']} done, {st['failed']} failed; "
-                         f"running {', '.join(st['running']) or '–'}"))
+    return run_with_state_bar(fn, quiet=quiet, label="study", total=lambda st: st["total"],
+                              completed=lambda st: st["steps"], describe=lambda st: (
+                                  f"runs {st['done']}/{st['runs']} done, {st['failed']} failed; "
+                                  f"running {', '.join(st['running']) or '–'}"))

@@ -17,6 +17,8 @@ from typing import Optional
 
 import typer
 
+from mismatch.cli.common import run_with_state_bar
+
 
 __all__ = ["train_command", "report_command"]
 
@@ -154,38 +156,12 @@ def train_command(
         raise typer.Exit(EXIT_STOPPED)
 
 
-def _with_bar(fn, *, quiet: bool, label: str, total, completed, describe):
-    """fn(progress) with a bar on stderr, opened at the first progress call (so that an error
-    before it — a bad checkpoint, say — stays one line). total, completed, describe: of the
-    state passed to progress."""
-    if quiet:
-        return fn(None)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    bar = Progress("[progress.description]{task.description}", BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True))
-    task = None
-
-    def progress(state: dict) -> None:
-        nonlocal task
-        if task is None:
-            bar.start()
-            task = bar.add_task(label, total=total(state))
-        bar.update(task, completed=completed(state), description=describe(state))
-
-    try:
-        return fn(progress)
-    finally:
-        bar.stop()
-
-
 def _with_step_bar(fn, total: int, *, quiet: bool):
     """fn(progress) with a bar over the run's optimizer steps."""
-    return _with_bar(fn, quiet=quiet, label="training", total=lambda _: total,
-                     completed=lambda rec: rec["step"], describe=lambda rec: (
-                         f"reward {rec['reward']:.2f} kl {rec['kl']:.1e} "
-                         f"stale {rec['staleness_mean']:.1f}"))
+    return run_with_state_bar(fn, quiet=quiet, label="training", total=lambda _: total,
+                              completed=lambda rec: rec["step"], describe=lambda rec: (
+                                  f"reward {rec['reward']:.2f} kl {rec['kl']:.1e} "
+                                  f"stale {rec['staleness_mean']:.1f}"))
 
 
 def report_command(

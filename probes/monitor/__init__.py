@@ -8,7 +8,8 @@ monitor watches for it step by step, inside the trainer (train/trainer.py) or ov
 One concept per module, bottom to top:
 
 - `signals`: the monitored signals (`SIGNALS`), what a value is, `Alert`, the `Sink` protocol;
-- `rules`: `SignalRule` (how one signal is judged), `default_rules()`, `MonitorConfig`;
+- `rules`: `SignalRule` (how one signal is judged), `default_rules()`, `with_kl_floor()`,
+  `MonitorConfig`;
 - `episodes`: why an episode ended, and a step's format-error share from its raw episodes;
 - `state`: `CollapseMonitor`, the state machine (baselines, persistence, corroboration, debounce);
 - `baselines`: baselines taken from a known-good run, to judge a new run from its first steps;
@@ -23,7 +24,7 @@ One concept per module, bottom to top:
 
 from mismatch.probes.monitor.signals import (SEVERITIES, SIGNALS, Alert, Sink, alert_json,
                                              severity_rank)
-from mismatch.probes.monitor.rules import MonitorConfig, SignalRule, default_rules
+from mismatch.probes.monitor.rules import MonitorConfig, SignalRule, default_rules, with_kl_floor
 from mismatch.probes.monitor.episodes import (FORMAT_ERROR_REASONS, episode_end_reason,
                                               episode_summary)
 from mismatch.probes.monitor.state import CollapseMonitor
@@ -36,7 +37,7 @@ from mismatch.probes.monitor.summary import run_summary, sink_problems, summary_
 
 __all__ = [
     "SEVERITIES", "SIGNALS", "Alert", "Sink", "alert_json", "severity_rank",
-    "MonitorConfig", "SignalRule", "default_rules",
+    "MonitorConfig", "SignalRule", "default_rules", "with_kl_floor",
     "FORMAT_ERROR_REASONS", "episode_end_reason", "episode_summary",
     "CollapseMonitor",
     "check_log", "follow_lines", "follow_state", "read_records", "reads_state", "stop_on_signals",

@@ -17,13 +17,13 @@ one value.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
 from mismatch.probes.monitor.signals import SIGNALS
 
-__all__ = ["SignalRule", "MonitorConfig", "default_rules", "judge", "NORMAL", "WARNING",
-           "CRITICAL"]
+__all__ = ["SignalRule", "MonitorConfig", "default_rules", "with_kl_floor", "judge", "NORMAL",
+           "WARNING", "CRITICAL"]
 
 RuleKind = Literal["growth", "fall", "share", "drop"]
 _KINDS = ("growth", "fall", "share", "drop")
@@ -110,6 +110,22 @@ def default_rules() -> dict[str, SignalRule]:
         "response_length": SignalRule(kind="growth", warning=2.0,
                                       hint="responses are running away (repetition?)"),
     }
+
+
+def with_kl_floor(rules: Mapping[str, SignalRule], floor: float) -> dict[str, SignalRule]:
+    """`rules` with the KL rule's absolute floor set to `floor` (0: growth alone, the default).
+
+    Not on by default: the KL's scale depends on who logs it. On the study's on-policy controls a
+    BF16 sampler's KL of ~1e-5 grew 7× as the policy sharpened, with nothing wrong (a floor of
+    1e-3, the level same-precision kernels of two stacks differ by, silences it and moves no
+    collapse's alert); a framework's logged KL proxy can run at 1e-4 through a whole collapse,
+    which the same floor would hide (reports/study-notes.md)."""
+    if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
+        raise ValueError(f"the KL floor (--kl-floor) must be a finite number >= 0, got {floor!r}")
+    out = dict(rules)
+    if "kl" in out:
+        out["kl"] = replace(out["kl"], floor=float(floor))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
