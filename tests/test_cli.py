@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -102,3 +103,42 @@ def test_library_errors_outside_commands_are_one_line_exit_2():
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mismatch: error:") and "Traceback" not in \
         res.stderr
+
+
+def _main(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mismatch.cli", *args], capture_output=True,
+                          text=True)
+
+
+def test_usage_errors_are_one_line_exit_2_naming_the_help():
+    """A value that does not parse, an unknown option or command, a missing argument: one line
+    on stderr, exit 2, and the `--help` to read; never typer's boxed panel."""
+    cases = {("monitor", "m.jsonl", "--kl-floor", "abc"): ("'--kl-floor'", "monitor --help"),
+             ("probe", "--gpu", "a100", "--dtype", "bf16", "--bogus"): ("--bogus", "probe --help"),
+             ("nosuch",): ("nosuch", "cli --help"),
+             ("zoo", "nosuch"): ("nosuch", "zoo --help"),
+             ("monitor",): ("file", "monitor --help")}
+    for args, (named, helped) in cases.items():
+        res = _main(*args)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1, (args, res.stderr)
+        assert lines[0].startswith("mismatch: error:") and named in lines[0], lines[0]
+        assert lines[0].endswith(f"{helped}`)") and "╭" not in res.stderr, lines[0]
+        assert res.stdout == "", args
+
+
+def test_bare_groups_print_their_help_and_exit_2_and_command_codes_pass_through(tmp_path):
+    """`mismatch` and `mismatch zoo` alone print their help once (exit 2, as click does); a
+    command's own exit code (monitor: 1 on a critical alert, 0 when quiet) comes through."""
+    for args in ((), ("zoo",)):
+        res = _main(*args)
+        assert res.returncode == 2 and res.stdout.count("Usage:") == 1, (args, res.stdout)
+        assert res.stderr == ""
+    from mismatch.probes.monitor import traces
+
+    for kind, code in (("collapse", 1), ("stable", 0)):
+        path = tmp_path / f"{kind}.jsonl"
+        records = traces.synthetic_trace(kind, 0).records
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        res = _main("monitor", str(path), "--json")
+        assert res.returncode == code, (kind, res.stderr[-500:])

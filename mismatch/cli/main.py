@@ -2,7 +2,8 @@
 
 Heavy imports (torch, transformers, modelopt) happen inside the commands so that
 `mismatch --help` stays instant. User errors (ValueError and its subclasses raised for bad
-input) become one line on stderr and exit code 2; anything else is a bug and keeps its traceback.
+input, and click's usage errors: a value that does not parse, an unknown option) become one line
+on stderr and exit code 2; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -50,18 +51,54 @@ def _register() -> None:
 _register()
 
 
+def _parser_exceptions():
+    """The click exception classes typer raises: recent typer vendors click as `typer._click`,
+    older releases use click itself."""
+    try:
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
+
+def _usage_error_line(exc) -> str:
+    """One line for a usage error (bad option value, unknown option or command, missing
+    argument), naming the help to read, in place of typer's boxed panel."""
+    message = " ".join(exc.format_message().split())
+    where = exc.ctx.command_path if exc.ctx is not None else "mismatch"
+    return f"mismatch: error: {message} (see `{where} --help`)"
+
+
 def main() -> None:
     """Console-script entry point."""
     from mismatch.runtime import bound_kernel_caches, tune_allocator
 
     tune_allocator()
     bound_kernel_caches()  # before any command's first matrix product; children inherit it
+    click = _parser_exceptions()
     try:
-        app()
+        code = app(standalone_mode=False)
+    except click.NoArgsIsHelpError as exc:  # `mismatch` or `mismatch zoo` alone
+        # Building the exception rendered the help already where typer draws it with rich; plain
+        # click carries it as the message.
+        typer.echo(exc.format_message(), nl=False)
+        sys.exit(EXIT_BAD_INPUT)
+    except click.UsageError as exc:
+        typer.echo(_usage_error_line(exc), err=True)
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:  # e.g. a file option that cannot be opened
+        typer.echo(f"mismatch: error: {' '.join(exc.format_message().split())}", err=True)
+        sys.exit(exc.exit_code)
+    except (typer.Abort, getattr(click, "Abort", typer.Abort)):  # Ctrl-D at a prompt
+        typer.echo("mismatch: aborted", err=True)
+        sys.exit(1)
     except ValueError as exc:  # bad input reported by the library, outside a command's own check
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         typer.echo(f"mismatch: error: {message}", err=True)
         sys.exit(EXIT_BAD_INPUT)
+    # Outside standalone mode a command's typer.Exit(code) comes back as the return value.
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
