@@ -76,9 +76,10 @@ def main() -> None:
     tune_allocator()
     bound_kernel_caches()  # before any command's first matrix product; children inherit it
     click = _parser_exceptions()
+    bare_group = getattr(click, "NoArgsIsHelpError", ())  # click < 8.2 prints the help and exits 0
     try:
         code = app(standalone_mode=False)
-    except click.NoArgsIsHelpError as exc:  # `mismatch` or `mismatch zoo` alone
+    except bare_group as exc:  # `mismatch` or `mismatch zoo` alone
         # Building the exception rendered the help already where typer draws it with rich; plain
         # click carries it as the message.
         typer.echo(exc.format_message(), nl=False)
