@@ -129,7 +129,8 @@ def test_bound_kernel_caches_leaves_a_users_setting_and_the_cli_sets_it(monkeypa
                                      "LRU_CACHE_CAPACITY": "8"}
     env = {k: v for k, v in os.environ.items()
            if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
-    probe = ("import importlib, os; m = importlib.import_module('mismatch.cli.main'); m.app = lambda: print("
+    probe = ("import importlib, os; m = importlib.import_module('mismatch.cli.main'); "
+             "m.app = lambda **_: print("
              "os.environ['LRU_CACHE_CAPACITY'], os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']); "
              "m.main()")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
