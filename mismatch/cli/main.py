@@ -9,6 +9,8 @@ on stderr and exit code 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
+
 import typer
 
 from mismatch.cli.common import EXIT_BAD_INPUT
@@ -61,12 +63,17 @@ def _parser_exceptions():
     return exceptions
 
 
-def _usage_error_line(exc) -> str:
-    """One line for a usage error (bad option value, unknown option or command, missing
-    argument), naming the help to read, in place of typer's boxed panel."""
+def _exit_with_error(message: str, code: int) -> NoReturn:
+    typer.echo(f"mismatch: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _click_error_message(exc) -> str:
+    """One line for click's errors; a usage error (bad option value, unknown option or command,
+    missing argument) also names the help to read, in place of typer's boxed panel."""
     message = " ".join(exc.format_message().split())
-    where = exc.ctx.command_path if exc.ctx is not None else "mismatch"
-    return f"mismatch: error: {message} (see `{where} --help`)"
+    ctx = getattr(exc, "ctx", None)
+    return f"{message} (see `{ctx.command_path} --help`)" if ctx is not None else message
 
 
 def main() -> None:
@@ -84,19 +91,14 @@ def main() -> None:
         # click carries it as the message.
         typer.echo(exc.format_message(), nl=False)
         sys.exit(EXIT_BAD_INPUT)
-    except click.UsageError as exc:
-        typer.echo(_usage_error_line(exc), err=True)
-        sys.exit(exc.exit_code)
-    except click.ClickException as exc:  # e.g. a file option that cannot be opened
-        typer.echo(f"mismatch: error: {' '.join(exc.format_message().split())}", err=True)
-        sys.exit(exc.exit_code)
+    except click.ClickException as exc:  # usage errors, and e.g. a file that cannot be opened
+        _exit_with_error(_click_error_message(exc), exc.exit_code)
     except (typer.Abort, getattr(click, "Abort", typer.Abort)):  # Ctrl-D at a prompt
         typer.echo("mismatch: aborted", err=True)
         sys.exit(1)
     except ValueError as exc:  # bad input reported by the library, outside a command's own check
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        typer.echo(f"mismatch: error: {message}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
+        _exit_with_error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                         EXIT_BAD_INPUT)
     # Outside standalone mode a command's typer.Exit(code) comes back as the return value.
     if isinstance(code, int) and code:
         sys.exit(code)
