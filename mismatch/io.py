@@ -12,13 +12,19 @@ import nothing of the project.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_directory", "atomic_path", "atomic_write_bytes", "atomic_write_text",
+__all__ = ["OUTPUT_MARKER", "atomic_directory", "atomic_path", "atomic_write_bytes",
+           "atomic_write_text", "check_output_dir", "check_writable_dir", "mark_output",
            "replace_directory", "save_figure"]
+
+OUTPUT_MARKER = ".mismatch-output"
+"""A file in every directory a command writes whole (probe, qualify): the command's name. A rerun
+may replace a directory that holds it; any other non-empty directory is refused."""
 
 
 def _tmp_sibling(path: Path) -> Path:
@@ -93,6 +99,72 @@ def replace_directory(new: Path, out: Path) -> None:
         shutil.rmtree(old)
     elif old.exists() or old.is_symlink():
         old.unlink()
+
+
+def mark_output(directory: Path, command: str) -> None:
+    """Mark `directory` (being written) as the output of `command` (see OUTPUT_MARKER)."""
+    (Path(directory) / OUTPUT_MARKER).write_text(command + "\n")
+
+
+def _earlier_output(out: Path, command: str) -> bool:
+    """`out` was written whole by `command`: its marker names it, or (written before the marker
+    existed) its results.json records a `mismatch <command>` command line and it holds nothing but
+    the JSON, Markdown and PNG files such a command writes."""
+    marker = out / OUTPUT_MARKER
+    if marker.is_file():
+        return marker.read_text().strip() == command
+    try:
+        recorded = json.loads((out / "results.json").read_text()).get("command", "")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (isinstance(recorded, str) and recorded.split()[:2] == ["mismatch", command]
+            and all(p.is_file() and p.suffix in (".json", ".md", ".png") for p in out.iterdir()))
+
+
+def check_writable_dir(out: Path, option: str = "--out") -> Path:
+    """Fail now, before any work, if the directory `out` (existing or to be created) cannot be
+    written: a path under a regular file, the working directory or one of its parents, no
+    permission. Creates `out`'s missing parents. Raises ValueError with one line."""
+    out = Path(out)
+    where = out.resolve()
+    cwd = Path.cwd().resolve()
+    if where == cwd or where in cwd.parents:
+        raise ValueError(f"{option} {out} is the working directory or holds it; name a new "
+                         f"folder for the outputs (e.g. {option} runs/name)")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{option} {out} is a file, not a directory; choose another {option}")
+    for parent in where.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"cannot create {option} {out}: {parent} is a file, not a "
+                                 f"directory; choose another {option}")
+            break
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        probe = _tmp_sibling(where.parent / f"{where.name}.check")
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        raise ValueError(f"cannot write {option} {out}: {exc.strerror or exc}; choose another "
+                         f"{option}") from None
+    return out
+
+
+def check_output_dir(out: Path, command: str, *, force: bool = False,
+                     option: str = "--out") -> Path:
+    """Before any work: `out` can be written (check_writable_dir) and replacing it loses nothing
+    — it does not exist, is empty, or is an earlier output of the same `command` — unless
+    `force`. Raises ValueError with one line that says what to do."""
+    out = check_writable_dir(out, option)
+    if force or not out.is_dir() or _earlier_output(out, command):
+        return out
+    held = sorted(p.name for p in out.iterdir())
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ValueError(f"{option} {out} holds files that are not an earlier `mismatch "
+                         f"{command}` output ({shown}); choose a new or empty folder, or pass "
+                         f"--force to replace it")
+    return out
 
 
 def save_figure(fig, path: Path) -> str:

@@ -72,7 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mismatch.io import atomic_directory
+from mismatch.io import atomic_directory, check_writable_dir
 
 from .checkpoint_formats import CHECKPOINT_FORMATS, KV_CACHE_FORMATS
 from .errors import QuantizeError
@@ -207,6 +207,10 @@ def _check_source(model_dir: Path) -> dict[str, Any]:
 
 
 def _check_out(model_dir: Path, out: Path, force: bool) -> None:
+    try:  # before calibration: an --out under a file, on the working directory, unwritable
+        check_writable_dir(out)
+    except ValueError as exc:
+        raise QuantizeError(str(exc)) from None
     src, dst = model_dir.resolve(), out.resolve()
     if dst == src or dst in src.parents:
         raise QuantizeError(f"--out {out} would overwrite the source checkpoint {model_dir}")

@@ -70,8 +70,9 @@ def test_metrics_log_has_every_required_field_once_per_step(async_run):
 # metrics.jsonl's keys in order (record.StepRecord.to_json), for an arm that centers and replays
 # top-p (its head and support masses) on the local backend
 RECORD_KEYS = [
-    "step", "reward", "kl", "kl_k1", "format_error_rate", "mis_masked_fraction", "sc_tail_ratio",
-    "entropy", "grad_norm", "staleness_mean", "staleness_max", "staleness_tokens",
+    "step", "reward", "kl", "kl_k1", "nonfinite_tokens", "format_error_rate",
+    "mis_masked_fraction", "sc_tail_ratio", "entropy", "grad_norm", "staleness_mean",
+    "staleness_max", "staleness_tokens",
     "tokens_per_s", "response_length", "group_kl", "group_reward", "group_tokens_per_s",
     "end_reasons", "loss", "ratio_p05", "ratio_p50", "ratio_p95", "n_episodes",
     "sampled_tokens", "units", "units_claimed", "stale_units_dropped", "step_seconds",
@@ -258,7 +259,7 @@ def test_bad_input_exits_2_in_one_line(tmp_path, async_run):
         (["train", "--preset", "smoke", "--correction", "grpo", "--out", str(out), "--resume"],
          "started with correction"),
         (["train", "--preset", "smoke", "--out", str(tmp_path / "empty"), "--resume"],
-         "no checkpoint"),
+         "no run to resume"),
         (["train", "--preset", "smoke", "--lr", "-1", "--out", str(tmp_path / "x")], "lr"),
         (["report", str(tmp_path / "missing")], "no metrics.jsonl"),
         (["train", "--preset", "smoke", "--model", str(tmp_path / "nomodel"), "--out",

@@ -39,8 +39,8 @@ from .evaluation import evaluate_into
 from .fleet import SamplerGroup, fleet
 from .pipeline import Pipeline, Publisher
 from .record import StepRecord
-from .rundir import (check_out, check_resume, cut_jsonl, read_metrics, save_final,
-                     write_json)
+from .rundir import (check_out, check_resume, cut_jsonl, read_metrics, restart_logs,
+                     save_final, write_json)
 from .trainer import Trainer
 
 __all__ = ["run", "RunResult", "LocalBackend", "EXIT_STOPPED"]
@@ -133,6 +133,8 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
     trainer = backend.trainer(model, cfg)
     step, next_unit, discarded = 0, 0, 0
     history: list[dict[str, Any]] = []
+    if ckpt is None and restart_logs(out):
+        log.warning("%s holds a run stopped before its first checkpoint: starting it over", out)
     if ckpt is not None:
         try:
             state = torch.load(ckpt / "state.pt", weights_only=False)

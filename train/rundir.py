@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mismatch.io import atomic_directory, atomic_write_text
+from mismatch.io import atomic_directory, atomic_write_text, check_writable_dir
 
 from .config import TrainConfig
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .trainer import Trainer
 
 __all__ = ["latest_checkpoint", "save_checkpoint", "check_ranks", "read_metrics", "cut_jsonl",
-           "check_resume", "check_out", "write_json", "save_final"]
+           "check_resume", "check_out", "holds_run", "restart_logs", "write_json", "save_final"]
 
 def write_json(path: Path, obj: Any) -> None:
     """`obj` as indented JSON, written atomically (config.json, eval.json)."""
@@ -111,20 +111,52 @@ def check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
 def check_out(out: Path, resume: bool, cfg: TrainConfig | None = None) -> Path | None:
     """Validate a run directory for a new run or a resume (of the same `cfg`); returns the
     checkpoint to resume."""
-    out = Path(out)
-    ckpt = latest_checkpoint(out) if resume else None
+    out = check_writable_dir(out)  # before any work: not under a file, not the working dir
+    ckpt = latest_checkpoint(out) if out.is_dir() else None
     if resume and ckpt is None:
-        raise ValueError(f"{out} has no checkpoint to resume from; start it without --resume")
+        if not holds_run(out):
+            raise ValueError(f"{out} holds no run to resume; start it without --resume")
+        return None  # stopped before its first checkpoint: it starts over (restart_logs)
     saved = out / "config.json"
     if resume and cfg is not None and saved.exists():
         try:
             check_resume(cfg, json.loads(saved.read_text()))
         except json.JSONDecodeError:
             pass  # the checkpoint's own copy of the config is checked when it is loaded
-    if not resume and ((out / "metrics.jsonl").exists() or (out / "checkpoints").exists()):
-        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose "
-                         "another --out")
-    return ckpt
+    if ckpt is None and out.is_dir() and _finished(out):
+        raise ValueError(f"{out} holds a finished run without checkpoints; choose another --out")
+    if not resume and ckpt is not None:
+        raise ValueError(f"{out} already holds a run (checkpoint {ckpt.name}); pass --resume to "
+                         "continue it or choose another --out")
+    return ckpt if resume else None
+
+
+_RUN_FILES = ("metrics.jsonl", "alerts.jsonl", "eval.json", "config.json", "command.txt")
+"""What a run writes into `out` before its first checkpoint."""
+
+
+def holds_run(out: Path) -> bool:
+    """`out` holds (part of) a run: its logs, its config or its checkpoints."""
+    out = Path(out)
+    return any((out / name).exists() for name in _RUN_FILES + ("checkpoints",))
+
+
+def _finished(out: Path) -> bool:
+    """A run that ended (its final policy) or one adopted from an export (logs only)."""
+    return (out / "final").exists() or (out / "adopted.json").exists()
+
+
+def restart_logs(out: Path) -> bool:
+    """A run directory without a checkpoint (stopped before its first one) starts over: its
+    logs, config and half-written checkpoints are removed — only the files a run writes.
+    Returns whether there was anything to remove."""
+    out = Path(out)
+    if not holds_run(out) or latest_checkpoint(out) is not None or _finished(out):
+        return False
+    for name in _RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return True
 
 
 

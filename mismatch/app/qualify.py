@@ -226,9 +226,10 @@ def write_outputs(out: Path, result: dict, command: str) -> Path:
     written together or not at all."""
     import json
 
-    from mismatch.io import atomic_directory
+    from mismatch.io import atomic_directory, mark_output
 
     with atomic_directory(out) as tmp:
+        mark_output(tmp, "qualify")
         verdict_json = {k: v for k, v in result.items() if k != "summary"}
         (tmp / "verdict.json").write_text(json.dumps(verdict_json, indent=2) + "\n")
         (tmp / "results.json").write_text(json.dumps(result["summary"], indent=2) + "\n")

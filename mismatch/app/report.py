@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mismatch.io import atomic_directory, save_figure
+from mismatch.io import atomic_directory, mark_output, save_figure
 
 __all__ = ["format_table", "markdown_report", "split_check", "write_probe_outputs"]
 
@@ -143,6 +143,7 @@ def write_probe_outputs(out: Path, result, command: str, *, force: bool = True) 
     """Write results.json, report.md and two PNG plots into `out`, via a temporary sibling."""
     with atomic_directory(out, force=force) as tmp:
         summary = dict(result.summary, command=command)
+        mark_output(tmp, "probe")
         (tmp / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
         (tmp / "report.md").write_text(markdown_report(summary, command))
         label = "EMULATED" if summary["mode"] == "emulated" else "MEASURED"

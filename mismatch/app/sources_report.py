@@ -315,9 +315,10 @@ def _plots(tmp: Path, run) -> list[str]:
 
 def write_sources_outputs(out: Path, run, command: str) -> Path:
     """results.json, report.md and plots into `out`, via a temporary sibling."""
-    from mismatch.io import atomic_directory
+    from mismatch.io import atomic_directory, mark_output
 
     with atomic_directory(out) as tmp:
+        mark_output(tmp, "probe")
         summary = dict(run.summary, command=command)
         (tmp / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
         plots = _plots(tmp, run)

@@ -28,7 +28,9 @@ def probe_command(
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: 1 for "
                                        "small models, else torch's default)."),
     out: Path | None = typer.Option(None, "--out", help="Write results.json, report.md and "
-                                    "plots here (default: runs/probe-<gpu>-<dtype>)."),
+                                    "plots here (default: runs/probe-<gpu>-<dtype>). A "
+                                    "folder holding anything but an earlier probe is refused."),
+    force: bool = typer.Option(False, "--force", help="Replace --out whatever it holds."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object to stdout."),
     sources: str | None = typer.Option(
         None, "--sources", help="Break the mismatch down by source: a comma list of kernels, "
@@ -98,10 +100,14 @@ def probe_command(
             from mismatch.fleets import fleet_groups
 
             fleet_groups(cfg.fleet_shares)  # bad shares fail before any work
+        from mismatch.io import check_output_dir
+
+        # before any work: an --out that cannot be written, or that holds a user's files
+        target = check_output_dir(out or Path("runs") / f"probe-{cfg.gpu}-{cfg.dtype}", "probe",
+                                  force=force)
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     command = "mismatch " + " ".join(sys.argv[1:]) if sys.argv[1:] else "mismatch probe"
-    target = out or Path("runs") / f"probe-{cfg.gpu}-{cfg.dtype}"
     if cfg.sources or cfg.ladder:
         probe_sources_command(cfg, target, command, as_json)
         return

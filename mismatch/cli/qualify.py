@@ -33,7 +33,9 @@ def qualify_command(
     timeout: float = typer.Option(60.0, "--timeout", help="Live server: seconds per request."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
     out: Path | None = typer.Option(None, "--out", help="Write verdict.json, results.json and "
-                                    "report.md here (default: runs/qualify-<sampler>)."),
+                                    "report.md here (default: runs/qualify-<sampler>). A "
+                                    "folder holding anything but an earlier qualify is refused."),
+    force: bool = typer.Option(False, "--force", help="Replace --out whatever it holds."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object to stdout."),
 ) -> None:
     """PASS/FAIL a sampler against a mismatch budget: exit 0 pass, 1 fail, 2 bad input."""
@@ -41,6 +43,7 @@ def qualify_command(
 
     quiet_libraries()
     from mismatch.app.qualify import load_policy, qualify_emulated, write_outputs
+    from mismatch.io import check_output_dir
 
     command = "mismatch " + " ".join(sys.argv[1:]) if sys.argv[1:] else "mismatch qualify"
     try:
@@ -56,7 +59,8 @@ def qualify_command(
             cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache, model=model,
                               n_prompts=n_prompts, subset_prompts=subset_prompts,
                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
-            target = out or Path("runs") / f"qualify-{spec.gpu}-{spec.dtype}"
+            target = check_output_dir(out or Path("runs") / f"qualify-{spec.gpu}-{spec.dtype}",
+                                      "qualify", force=force)
             result = run_with_bars(lambda progress: qualify_emulated(cfg, pol, progress),
                                     quiet=as_json)
         else:
@@ -66,7 +70,8 @@ def qualify_command(
                 raise ValueError(f"live servers cannot be qualified by this install ({exc}); "
                                  f"qualify an emulated sampler with --gpu/--dtype") from None
 
-            target = out or Path("runs") / "qualify-remote"
+            target = check_output_dir(out or Path("runs") / "qualify-remote", "qualify",
+                                      force=force)
             result = run_with_bars(
                 lambda progress: qualify_remote(
                     url=sampler, engine=engine, model=model, policy=pol, n_prompts=n_prompts,

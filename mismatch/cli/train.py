@@ -130,6 +130,8 @@ def train_command(
 
     try:
         result = _with_step_bar(body, cfg.steps, quiet=quiet)
+    except KeyboardInterrupt:
+        _interrupted(out, command)
     except ValueError as exc:
         fail(str(exc))
     except RuntimeError as exc:
@@ -154,6 +156,28 @@ def train_command(
     if result.stopped:
         typer.echo(f"stopped: {result.stopped}; resume with --resume", err=True)
         raise typer.Exit(EXIT_STOPPED)
+
+
+EXIT_INTERRUPTED = 130
+"""Exit code after Ctrl-C (128 + SIGINT), as a shell reports it."""
+
+
+def _interrupted(out: Path, command: str) -> None:
+    """Ctrl-C: say where the run stopped and the command that continues it; exit 130."""
+    from mismatch.train.rundir import latest_checkpoint, read_metrics
+
+    logged = read_metrics(Path(out) / "metrics.jsonl")
+    at = f"after step {logged[-1]['step']}" if logged else "before its first step"
+    ckpt = latest_checkpoint(out)
+    again = command if "--resume" in command.split() or ckpt is None else \
+        f"{command} --resume"
+    if ckpt is None:
+        typer.echo(f"mismatch: interrupted {at}, before the first checkpoint; {again!s} "
+                   f"starts {out} over", err=True)
+    else:
+        typer.echo(f"mismatch: interrupted {at}; the last checkpoint is {ckpt.name}: "
+                   f"continue with {again}", err=True)
+    raise typer.Exit(EXIT_INTERRUPTED)
 
 
 def _with_step_bar(fn, total: int, *, quiet: bool):

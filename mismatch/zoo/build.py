@@ -72,8 +72,12 @@ def build_command(config: BuildConfig, out: Path | None = None) -> str:
 
 
 def _check_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ZooError(f"--out {out} is a file; pass a directory")
+    from mismatch.io import check_writable_dir
+
+    try:  # before training: not under a file, not the working directory, writable
+        check_writable_dir(out)
+    except ValueError as exc:
+        raise ZooError(str(exc)) from None
     if out.is_dir() and any(out.iterdir()) and not (out / BUILD_INFO).is_file():
         raise ZooError(f"--out {out} is not empty and holds no previous build ({BUILD_INFO}); "
                        "pass a new or empty directory")
