@@ -17,8 +17,12 @@ that range is the fraction of the batch the correction throws away. Effective sa
 (Σw)² / (n Σw²) ∈ (0, 1]. `exact_kl` computes KL(μ‖π) over the whole vocabulary when both sides'
 logits are known, in row and vocabulary chunks so that no [T, V] float32 tensor ever exists.
 
-Every function takes a `mask` [B, T] (1 = a completion token to count) and returns 0-dim or
-per-sequence tensors; nothing calls `.item()`.
+Every function takes a `mask` [B, T] (nonzero = a completion token to count) and returns 0-dim
+or per-sequence tensors. A token counts when its mask is set and both log-probs are finite:
+whatever a masked position holds (NaN, ±inf) changes no figure by a single bit, and a NaN or ±inf
+at an unmasked one is left out of the figures and counted (`nonfinite_tokens`, in
+`divergence_summary`), never dropped silently. Figures match torch's own (torch.quantile's
+interpolation included) bit for bit or to float64 rounding; docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -42,10 +46,14 @@ __all__ = [
     "top1_agreement",
     "divergence_summary",
     "bootstrap_ci",
+    "masked_quantiles",
+    "k_estimators",
+    "nonfinite_tokens",
 ]
 
 MIS_LOW, MIS_HIGH = 0.5, 5.0  # the IcePop / study MIS range for π/μ (NUMERICS.md §5)
 _MAX_LOG_RATIO = 20.0  # keeps exp(r) finite in float32 for pathological tokens (e^20 ≈ 4.9e8)
+_INF = float("inf")
 
 
 def _check(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
@@ -61,71 +69,134 @@ def log_ratio(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) ->
     return trainer_logprobs.double() - sampler_logprobs.double()
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp_min(1)
+def _counted(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+             mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(r zeroed wherever a token is not counted, counted [B, T] bool, mask [B, T] bool).
+
+    A token counts when its mask is set and both log-probs are finite (r is finite exactly
+    then: a float64 difference of float32 numbers cannot overflow). Everything else is replaced
+    by 0 with `torch.where` *before* any arithmetic — `x * mask` would keep a NaN (NaN · 0 =
+    NaN), as verl's masked_sum notes (volcengine/verl@v0.9.1 verl/utils/torch_functional.py) —
+    so whatever a masked position holds, the figures are the same bit for bit.
+    `|r| < inf` is isfinite in one pass (torch.isfinite is three)."""
+    _check(trainer_logprobs, sampler_logprobs, mask)
+    m = mask if mask.dtype == torch.bool else mask != 0
+    r = log_ratio(trainer_logprobs, sampler_logprobs)
+    counted = m & (r.abs() < _INF)
+    return torch.where(counted, r, 0.0), counted, m
+
+
+def masked_quantiles(x: torch.Tensor, valid: torch.Tensor, q: tuple[float, ...]) -> torch.Tensor:
+    """torch.quantile(x[valid], q) (linear interpolation), equal to it bit for bit, in O(n).
+
+    torch.quantile sorts; only the order statistics at floor and ceil of q·(n − 1) matter, and
+    `kthvalue` (a selection) finds each in linear time. Uncounted entries become +inf, so they
+    rank after every counted one. The interpolation is torch.quantile's own: ranks q·(n − 1) in
+    float64, weights rank − floor(rank), `lerp` (aten/src/ATen/native/Sorting.cpp, quantile).
+    x: finite where `valid`. Returns [len(q)] of x's dtype (NaN when nothing is valid)."""
+    n = int(valid.sum())
+    if n == 0:
+        return torch.full((len(q),), float("nan"), dtype=x.dtype, device=x.device)
+    flat = torch.where(valid, x, _INF).reshape(-1)
+    ranks = [p * (n - 1) for p in q]
+    below = [int(r) for r in ranks]
+    above = [math.ceil(r) for r in ranks]
+    found: dict[int, torch.Tensor] = {}
+    for i in below + above:
+        if i not in found:
+            found[i] = flat.kthvalue(i + 1).values
+    weights = torch.tensor([r - b for r, b in zip(ranks, below)], dtype=x.dtype, device=x.device)
+    return torch.lerp(torch.stack([found[i] for i in below]),
+                      torch.stack([found[i] for i in above]), weights)
+
+
+def k_estimators(r: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
+    """k1, k2, k3 means of a float64 log-ratio `r` that is 0 at every uncounted token (those
+    then add exactly 0 to each sum) over its `n` counted tokens; r is clamped to ±20 first."""
+    r = r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    n = n.clamp_min(1).to(torch.float64)
+    return {"kl_k1": -r.sum() / n, "kl_k2": (r * r).sum() * 0.5 / n,
+            "kl_k3": (torch.expm1(r) - r).sum() / n}
 
 
 def kl_estimators(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                   mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Masked means of k1, k2, k3 over tokens. Inputs [B, T]; outputs 0-dim float64."""
-    _check(trainer_logprobs, sampler_logprobs, mask)
-    r = log_ratio(trainer_logprobs, sampler_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return {
-        "kl_k1": _masked_mean(-r, mask),
-        "kl_k2": _masked_mean(r * r / 2, mask),
-        "kl_k3": _masked_mean(torch.expm1(r) - r, mask),
-    }
+    """Means of k1, k2, k3 over the counted tokens (mask set, both log-probs finite). Inputs
+    [B, T]; outputs 0-dim float64 (0 when no token counts)."""
+    r, counted, _ = _counted(trainer_logprobs, sampler_logprobs, mask)
+    return k_estimators(r, counted.sum())
+
+
+_NAN = float("nan")
+_RATIO_KEYS = ("ratio_mean", "ratio_p01", "ratio_p50", "ratio_p99", "mis_masked_fraction", "ess")
+_DIFF_KEYS = ("abs_logprob_diff_mean", "abs_logprob_diff_p99", "abs_logprob_diff_max",
+              "abs_prob_diff_max", "token_multiplicative_error")
+
+
+def _nans(keys) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(_NAN, dtype=torch.float64) for k in keys}
+
+
+def _ratio_stats(r, counted, n: int, low: float, high: float) -> dict[str, torch.Tensor]:
+    if n == 0:
+        return _nans(_RATIO_KEYS)
+    w = torch.exp(r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))               # 1 where uncounted
+    wz = torch.where(counted, w, 0.0)
+    s1, s2 = wz.sum(), (wz * wz).sum()
+    q = masked_quantiles(w, counted, (0.01, 0.5, 0.99))
+    outside = (((w < low) | (w > high)) & counted).sum().to(torch.float64)
+    return {"ratio_mean": s1 / n, "ratio_p01": q[0], "ratio_p50": q[1], "ratio_p99": q[2],
+            "mis_masked_fraction": outside / n, "ess": s1 * s1 / (n * s2)}
 
 
 def ratio_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                 mask: torch.Tensor, low: float = MIS_LOW, high: float = MIS_HIGH
                 ) -> dict[str, torch.Tensor]:
-    """Importance ratio w = π/μ over masked tokens: mean, p01/p50/p99, share outside
+    """Importance ratio w = π/μ over the counted tokens: mean, p01/p50/p99, share outside
     [low, high] (MIS-masked fraction), normalized effective sample size."""
-    _check(trainer_logprobs, sampler_logprobs, mask)
-    r = log_ratio(trainer_logprobs, sampler_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    w = torch.exp(r)[mask.bool()]
-    if w.numel() == 0:
-        nan = torch.tensor(float("nan"), dtype=torch.float64)
-        return {k: nan for k in ("ratio_mean", "ratio_p01", "ratio_p50", "ratio_p99",
-                                 "mis_masked_fraction", "ess")}
-    q = torch.quantile(w, torch.tensor([0.01, 0.5, 0.99], dtype=w.dtype))
-    outside = ((w < low) | (w > high)).double().mean()
-    ess = w.sum() ** 2 / (w.numel() * (w * w).sum())
-    return {"ratio_mean": w.mean(), "ratio_p01": q[0], "ratio_p50": q[1], "ratio_p99": q[2],
-            "mis_masked_fraction": outside, "ess": ess}
+    r, counted, _ = _counted(trainer_logprobs, sampler_logprobs, mask)
+    return _ratio_stats(r, counted, int(counted.sum()), low, high)
+
+
+def _diff_stats(r, counted, n: int, trainer_logprobs, sampler_logprobs):
+    if n == 0:
+        return _nans(_DIFF_KEYS)
+    d = r.abs()                                                             # 0 where uncounted
+    dp = (trainer_logprobs.double().exp() - sampler_logprobs.double().exp()).abs()
+    mult = torch.where(counted, d.clamp(max=_MAX_LOG_RATIO).exp(), 0.0)
+    return {"abs_logprob_diff_mean": d.sum() / n,
+            "token_multiplicative_error": mult.sum() / n,
+            "abs_logprob_diff_p99": masked_quantiles(d, counted, (0.99,))[0],
+            "abs_logprob_diff_max": d.max(),
+            "abs_prob_diff_max": torch.where(counted, dp, 0.0).max()}
 
 
 def logprob_diff_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                        mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """|Δ log p| mean / p99 / max, |Δ p| max, and the token multiplicative error mean e^|Δ log p|
-    (the figure one study deems acceptable at 1.03–1.05, NUMERICS.md §3) over masked tokens."""
-    _check(trainer_logprobs, sampler_logprobs, mask)
-    sel = mask.bool()
-    d = log_ratio(trainer_logprobs, sampler_logprobs).abs()[sel]
-    dp = (trainer_logprobs.double().exp() - sampler_logprobs.double().exp()).abs()[sel]
-    if d.numel() == 0:
-        nan = torch.tensor(float("nan"), dtype=torch.float64)
-        return {k: nan for k in ("abs_logprob_diff_mean", "abs_logprob_diff_p99",
-                                 "abs_logprob_diff_max", "abs_prob_diff_max",
-                                 "token_multiplicative_error")}
-    return {"abs_logprob_diff_mean": d.mean(),
-            "token_multiplicative_error": d.clamp(max=_MAX_LOG_RATIO).exp().mean(),
-            "abs_logprob_diff_p99": torch.quantile(d, 0.99),
-            "abs_logprob_diff_max": d.max(),
-            "abs_prob_diff_max": dp.max()}
+    (the figure one study deems acceptable at 1.03–1.05, NUMERICS.md §3) over counted tokens."""
+    r, counted, _ = _counted(trainer_logprobs, sampler_logprobs, mask)
+    return _diff_stats(r, counted, int(counted.sum()), trainer_logprobs, sampler_logprobs)
 
 
 def per_sequence(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                  mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per sequence [B]: sum of r (the sequence-level log importance ratio) and the geometric
-    mean ratio exp(mean r)."""
-    _check(trainer_logprobs, sampler_logprobs, mask)
-    m = mask.double()
-    r = log_ratio(trainer_logprobs, sampler_logprobs) * m
-    n = m.sum(-1).clamp_min(1)
-    return {"seq_log_ratio_sum": r.sum(-1), "seq_ratio_geomean": torch.exp(r.sum(-1) / n)}
+    """Per sequence [B]: sum of r over its counted tokens (the sequence-level log importance
+    ratio) and the geometric mean ratio exp(mean r)."""
+    r, counted, _ = _counted(trainer_logprobs, sampler_logprobs, mask)
+    s = r.sum(-1)
+    return {"seq_log_ratio_sum": s, "seq_ratio_geomean": torch.exp(s / counted.sum(-1)
+                                                                   .clamp_min(1))}
+
+
+def nonfinite_tokens(mask: torch.Tensor, *logprobs: torch.Tensor) -> torch.Tensor:
+    """How many positions with `mask` set hold a NaN or ±inf in any of `logprobs` (all [B, T]):
+    the tokens every figure here leaves out. 0-dim int64."""
+    m = mask if mask.dtype == torch.bool else mask != 0
+    bad = torch.zeros_like(m)
+    for lp in logprobs:
+        bad |= ~(lp.abs() < _INF)
+    return (m & bad).sum()
 
 
 def exact_kl(sampler_logits: torch.Tensor, trainer_logits: torch.Tensor, *,
@@ -181,16 +252,25 @@ def second_order(delta: torch.Tensor) -> torch.Tensor:
 def top1_agreement(sampler_top1: torch.Tensor, trainer_top1: torch.Tensor,
                    mask: torch.Tensor) -> torch.Tensor:
     """Share of masked positions where both sides' most likely token is the same. Ids [B, T]."""
-    return _masked_mean((sampler_top1 == trainer_top1).double(), mask)
+    m = mask if mask.dtype == torch.bool else mask != 0
+    same = (sampler_top1 == trainer_top1) & m
+    return same.sum().to(torch.float64) / m.sum().clamp_min(1)
 
 
 def divergence_summary(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                        mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """All token-level figures in one dict of 0-dim float64 tensors (plus `tokens`)."""
-    out = {"tokens": mask.sum().double()}
-    out.update(kl_estimators(trainer_logprobs, sampler_logprobs, mask))
-    out.update(ratio_stats(trainer_logprobs, sampler_logprobs, mask))
-    out.update(logprob_diff_stats(trainer_logprobs, sampler_logprobs, mask))
+    """All token-level figures in one dict of 0-dim float64 tensors: `tokens` (mask set),
+    `nonfinite_tokens` (mask set but a log-prob NaN or ±inf: left out of every figure and
+    counted here, never dropped silently) and the figures over the counted rest."""
+    r, counted, m = _counted(trainer_logprobs, sampler_logprobs, mask)
+    n = counted.sum()
+    tokens = m.sum()
+    out = {"tokens": tokens.to(torch.float64),
+           "nonfinite_tokens": (tokens - n).to(torch.float64)}
+    out.update(k_estimators(r, n))
+    n = int(n)
+    out.update(_ratio_stats(r, counted, n, MIS_LOW, MIS_HIGH))
+    out.update(_diff_stats(r, counted, n, trainer_logprobs, sampler_logprobs))
     return out
 
 

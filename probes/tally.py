@@ -52,12 +52,13 @@ class Tally:
         self.reference.append(ref_lp.float())
         self.other.append(oth_lp.float())
         self.mask.append(mask.float())
+        # torch.where, not a product with the mask: NaN · 0 is NaN
         if exact is not None:
-            self.exact.append(exact.double() * mask.double())
+            self.exact.append(torch.where(mask.bool(), exact.double(), 0.0))
         elif isinstance(reference, Evaluation) and isinstance(other, Evaluation):
             b, w, v = other.full.shape
             kl = exact_kl(other.full.reshape(b * w, v), reference.full.reshape(b * w, v))
-            self.exact.append(kl.view(b, w) * mask.double())
+            self.exact.append(torch.where(mask.bool(), kl.view(b, w), 0.0))
 
     @property
     def tokens(self) -> int:
@@ -69,21 +70,31 @@ class Tally:
         return torch.cat(out).float() if out else torch.zeros(0)
 
     def summary(self, seed: int = 0, n_boot: int = 1000) -> dict:
-        """The SUMMARY_KEYS figures, `tokens`, `kl_exact` and both 95% intervals."""
+        """The SUMMARY_KEYS figures, `tokens`, `nonfinite_tokens` (masked-in tokens with a NaN
+        or ±inf log-prob or exact KL: counted here, left out of every figure), `kl_exact` and
+        both 95% intervals."""
         if not self.mask or self.tokens == 0:
             raise ValueError("nothing to summarize: no completion tokens were compared")
         r, o, m = torch.cat(self.reference), torch.cat(self.other), torch.cat(self.mask)
         s = {k: float(v) for k, v in divergence_summary(r, o, m).items()}
         out = {k: s[k] for k in SUMMARY_KEYS}
         out["tokens"] = int(s["tokens"])
-        lr = log_ratio(r, o).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        k3 = (torch.expm1(lr) - lr) * m.double()
-        per_n = m.double().sum(-1)
+        # the counted tokens: masked in, both log-probs (and the exact KL, where known) finite;
+        # the rest of the masked-in ones are nonfinite_tokens, left out of every figure
+        lr = log_ratio(r, o)
+        counted = m.bool() & (lr.abs() < math.inf)
+        ex = torch.cat(self.exact) if self.exact else None
+        if ex is not None:
+            counted &= ex.abs() < math.inf
+            ex = torch.where(counted, ex, 0.0)
+        out["nonfinite_tokens"] = out["tokens"] - int(counted.sum())
+        lr = torch.where(counted, lr, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        k3 = torch.expm1(lr) - lr                                   # 0 where not counted
+        per_n = counted.sum(-1).double()
         keep = per_n > 0
         out["kl_k3_ci95"] = bootstrap_ci(k3.sum(-1)[keep], per_n[keep], seed, n_boot)
-        if self.exact:
-            ex = torch.cat(self.exact)
-            out["kl_exact"] = float(ex.sum() / m.double().sum())
+        if ex is not None:
+            out["kl_exact"] = float(ex.sum() / per_n.sum())
             out["kl_exact_ci95"] = bootstrap_ci(ex.sum(-1)[keep], per_n[keep], seed, n_boot)
             half = (out["kl_exact_ci95"][1] - out["kl_exact_ci95"][0]) / 2
             out["kl_exact_ci_rel"] = half / out["kl_exact"] if out["kl_exact"] > 0 else 0.0

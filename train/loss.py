@@ -8,8 +8,12 @@ drew token y at each position; the trainer re-scores it as π(y). Every arm mini
 — a token-level mean: every valid token weighs the same whatever its sequence's length (the
 DAPO / Dr. GRPO choice; a per-sequence mean would favour short completions). A token is *valid*
 when its mask is 1 and its sampler log-prob is finite: a NaN / ±inf log μ (a sampler that failed
-to report, a token it could not have drawn) leaves both the sum and N. Tokens that MIS zeroes
-stay valid: they count in N with weight 0, as IcePop does.
+to report, a token it could not have drawn) leaves both the sum and N, and is counted in the
+metric `nonfinite_tokens` (as is a NaN / ±inf log π at a masked-in token, which stays in the loss:
+the loss turns non-finite and the trainer skips the step). Whatever a masked-out position holds,
+NaN or ±inf on any side, the loss, its gradient and every metric are the same bit for bit: every
+such value is replaced with `torch.where` before any arithmetic. Tokens that MIS zeroes stay
+valid: they count in N with weight 0, as IcePop does.
 
 The objective, with ratio x = π_y/μ_y and a token weight w(x) chosen by the arm
 (w = 1; MIS / IcePop w(x) = x·1[x ∈ [low, high]]; truncated IS w(x) = min(x, C)):
@@ -40,12 +44,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mismatch.metrics import MIS_HIGH, MIS_LOW, kl_estimators
+from mismatch.metrics import MIS_HIGH, MIS_LOW, k_estimators, masked_quantiles
 
 __all__ = ["Arm", "ARMS", "arm_named", "policy_loss", "group_advantages", "renormalize_over_support",
            "sc_tail_ratio"]
 
 _MAX_LOG_RATIO = 20.0  # keeps exp(r) finite for pathological tokens (e^20 ≈ 4.9e8)
+_INF = float("inf")
 _MIN_TAIL_MASS = 1e-6  # a tail below this is float noise: no tail (α = 0, ρ reported as 0);
 #                        it also floors 1 − Σ_H π so that ρ stays ≤ 1e6
 _QUANTILES = (0.05, 0.5, 0.95)
@@ -184,8 +189,8 @@ def _ratio(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> to
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    m = m.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp_min(1)
+    # torch.where, not x * m: a NaN outside the mask would survive the product (NaN · 0 = NaN)
+    return torch.where(m, x, 0).sum() / m.sum().clamp_min(1).to(x.dtype)
 
 
 def _check(logp, sampler_logp, advantages, mask, arm, cand_logp, cand_sampler_logp,
@@ -230,7 +235,11 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
     """
     _check(logp, sampler_logp, advantages, mask, arm, cand_logp, cand_sampler_logp, support_mask)
     dt = torch.promote_types(logp.dtype, torch.float32)
-    valid = mask.bool() & torch.isfinite(sampler_logp)                       # (B, T)
+    m = mask.bool()
+    finite_mu = sampler_logp.abs() < _INF        # isfinite in one pass (torch's takes three)
+    finite_pi = logp.detach().abs() < _INF
+    nonfinite = (m & ~(finite_mu & finite_pi)).sum()
+    valid = m & finite_mu                                                     # (B, T)
     slp = torch.where(valid, sampler_logp, 0).to(dt)
     lp = logp.to(dt)
     metrics: dict[str, torch.Tensor] = {}
@@ -255,8 +264,12 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
     def weight(x):
         return _token_weight(x, arm.weight, arm.mis_low, arm.mis_high, arm.tis_cap)
 
-    ratio = _ratio(lp, slp)                                                  # (B, T) float64
-    objective = weight(ratio).to(dt) * lp
+    # the metrics' tokens: valid ones whose log π is finite too (a NaN log π stays in the loss,
+    # which turns NaN and the step is skipped; it is counted in nonfinite_tokens)
+    counted = valid & finite_pi
+    r = torch.where(counted, lp.detach().double() - slp.double(), 0.0)       # (B, T) float64
+    ratio = torch.exp(r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    objective = lp if arm.weight == "one" else weight(ratio).to(dt) * lp    # w = 1: the same bits
     if arm.centered:
         pi = torch.where(cand, clp.detach().double().exp(), 0)               # (B, T, K)
         mu = torch.where(cand, cslp.double().exp(), 0)
@@ -274,12 +287,12 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
     n_valid = valid.sum()
     loss = -(torch.where(valid, adv * objective, 0)).sum() / n_valid.clamp_min(1).to(dt)
 
-    kl = kl_estimators(lp.detach(), slp, valid)
-    outside = (ratio < arm.mis_low) | (ratio > arm.mis_high)
-    kept = ratio[valid]
-    q = (torch.quantile(kept, torch.tensor(_QUANTILES, dtype=kept.dtype)) if kept.numel()
-         else torch.full((len(_QUANTILES),), float("nan"), dtype=torch.float64))
-    metrics.update(loss=loss.detach(), valid_tokens=n_valid, kl_k1=kl["kl_k1"],
-                   kl_k3=kl["kl_k3"], mis_masked_fraction=_masked_mean(outside.double(), valid),
+    n_counted = counted.sum()
+    kl = k_estimators(r, n_counted)
+    outside = ((ratio < arm.mis_low) | (ratio > arm.mis_high)) & counted
+    q = masked_quantiles(ratio, counted, _QUANTILES)  # torch.quantile's values, in O(n)
+    metrics.update(loss=loss.detach(), valid_tokens=n_valid, nonfinite_tokens=nonfinite,
+                   kl_k1=kl["kl_k1"], kl_k3=kl["kl_k3"],
+                   mis_masked_fraction=outside.sum().double() / n_counted.clamp_min(1),
                    ratio_p05=q[0], ratio_p50=q[1], ratio_p95=q[2])
     return loss, metrics

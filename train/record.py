@@ -35,6 +35,9 @@ class StepRecord:
     """KL(μ‖π) k3 estimate over the sampled tokens (sampler μ, trainer π)."""
     kl_k1: float
     """The k1 estimate of the same KL."""
+    nonfinite_tokens: int
+    """Sampled tokens whose sampler or trainer log-prob is NaN or ±inf: left out of the KL
+    figures (and, on the sampler's side, of the loss), counted here, never dropped silently."""
     format_error_rate: float
     """Share of episodes that ended on format errors."""
     mis_masked_fraction: float
@@ -112,7 +115,7 @@ class StepRecord:
         return cls(
             step=step,
             reward=sum(ep.reward for ep in eps) / len(eps),
-            kl=m["kl"], kl_k1=m["kl_k1"],
+            kl=m["kl"], kl_k1=m["kl_k1"], nonfinite_tokens=m["nonfinite_tokens"],
             format_error_rate=ends.get("format_errors", 0) / len(eps),
             mis_masked_fraction=m["mis_masked_fraction"],
             sc_tail_ratio=m["sc_tail_ratio"],

@@ -79,7 +79,8 @@ def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Ten
                  batch: Batch, mask: torch.Tensor) -> dict[str, Any]:
     """A step's numerics metrics from the loss's metrics `m`, the trainer's entropy [B, T-1] and
     log-probs (tokens [B, T], candidates [B, T, K]) of the whole batch (read at the sampled
-    tokens `mask` only)."""
+    tokens `mask` only). `nonfinite_tokens`: sampled tokens whose sampler or trainer log-prob
+    is NaN or ±inf (policy_loss's count; the KL figures leave them out)."""
     valid = mask & torch.isfinite(batch.sampler_logp)
     kl = kl_estimators(logp, batch.sampler_logp, valid)
     ent_mean = float(ent[valid[:, 1:]].mean()) if valid.any() else float("nan")
@@ -92,7 +93,8 @@ def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Ten
            "mis_masked_fraction": float(m["mis_masked_fraction"]),
            "ratio_p05": float(m["ratio_p05"]), "ratio_p50": float(m["ratio_p50"]),
            "ratio_p95": float(m["ratio_p95"]), "entropy": ent_mean, "group_kl": per_group,
-           "valid_tokens": int(m["valid_tokens"])}
+           "valid_tokens": int(m["valid_tokens"]),
+           "nonfinite_tokens": int(m["nonfinite_tokens"])}
     if "sc_tail_ratio" in m:
         out["sc_tail_ratio"] = float(m["sc_tail_ratio"])
     else:  # over the valid tokens alone, packed (the same rows, the same mean)
