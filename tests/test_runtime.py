@@ -108,7 +108,19 @@ print((libc.mallinfo2().uordblks - before) >> 20)
 def test_bounded_kernel_caches_keep_memory_flat_across_new_gemm_shapes():
     """oneDNN keeps a compiled primitive per GEMM shape (~1.6 MB for BF16 forward + backward):
     160 new shapes grow the memory in use by well over 100 MB with its default caches, and by
-    little once `bound_kernel_caches` caps them (bytes in use from glibc, not resident pages)."""
+    little once `bound_kernel_caches` caps them (bytes in use from glibc, not resident pages).
+
+    What holds on every CPU: the bounded caches keep the growth small. The large default growth
+    is a premise of the CPU: it was measured on CPUs with native BF16 (AVX512_BF16 / AMX), where
+    oneDNN compiles a BF16 primitive per shape. Measured elsewhere: an AVX-512 CPU without BF16
+    instructions (Xeon, Ice Lake) grows 11 MB, an AVX2-only CPU (AMD EPYC) 0 MB — torch's own
+    kernels, no primitive cached. There the default is only checked not to be below the bound."""
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f
+                          if line.startswith("flags")), set())
+    native_bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
     env = {k: v for k, v in os.environ.items()
            if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
     grown = {}
@@ -116,8 +128,12 @@ def test_bounded_kernel_caches_keep_memory_flat_across_new_gemm_shapes():
         out = subprocess.run([sys.executable, "-c", _GROWTH, mode], env=env, capture_output=True,
                              text=True, timeout=300, check=True)
         grown[mode] = int(out.stdout.split()[-1])
-    assert grown["default"] > 100, grown
+    print(f"memory growth over 160 new shapes, MB: {grown} (native BF16: {native_bf16})")
     assert grown["bounded"] < 20, grown
+    if native_bf16:
+        assert grown["default"] > 100, grown
+    else:
+        assert grown["default"] >= grown["bounded"], grown
 
 
 def test_bound_kernel_caches_leaves_a_users_setting_and_the_cli_sets_it(monkeypatch):
