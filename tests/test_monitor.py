@@ -98,14 +98,14 @@ def test_a_10x_one_step_spike_on_a_flat_run_raises_nothing():
 
 
 def test_one_alert_per_severity_per_episode_of_trouble_and_rearm_after_calm():
-    kl = [1e-3] * 20 + [5e-3] * 30 + [1e-3] * 5 + [5e-3] * 10 + [1e-3] * 10 + [5e-3] * 5
+    kl = [1e-3] * 20 + [12e-3] * 30 + [1e-3] * 5 + [12e-3] * 10 + [1e-3] * 10 + [12e-3] * 5
     monitor = CollapseMonitor()
     alerts = [a for i, x in enumerate(kl) for a in monitor.update({"step": i, "kl": x})]
-    # trouble at 20, straight at critical: one critical alert after 3 steps; 5 calm steps do not
-    # re-arm, so the second burst (55) is silent; 10 calm steps (65–74) re-arm: the third alerts
+    # trouble at 20, straight at critical (12x, alone): one critical alert after 3 steps; 5 calm
+    # steps do not re-arm, so the second burst (55) is silent; 10 calm steps (65–74) re-arm
     assert [(a.step, a.severity) for a in alerts] == [(22, "critical"), (77, "critical")]
     assert all(a.signal == "kl" and a.baseline == pytest.approx(1e-3) for a in alerts)
-    assert alerts[1].value == pytest.approx(5e-3) and "5.0x" in alerts[1].message
+    assert alerts[1].value == pytest.approx(12e-3) and "12.0x" in alerts[1].message
 
 
 def test_kl_at_2_5x_alone_warns_and_with_format_errors_goes_critical():
@@ -171,7 +171,7 @@ def test_reward_fall_and_warning_only_signals():
 
 def test_given_baselines_judge_from_the_first_step():
     monitor = CollapseMonitor(MonitorConfig(baselines={"kl": 1e-3}))
-    fired = [a for i in range(3) for a in monitor.update({"step": i, "kl": 4e-3})]
+    fired = [a for i in range(3) for a in monitor.update({"step": i, "kl": 12e-3})]
     assert [(a.step, a.severity) for a in fired] == [(2, "critical")]
 
 
@@ -522,7 +522,7 @@ def test_baselines_from_a_known_good_run_judge_a_new_run_early():
                                                          for s in range(4, 14)))
     assert base["reward"] == 0.5 and "entropy" not in base  # no observations: left out
     assert len(baselines_from(good[:12])) == 0  # fewer than warmup + baseline steps
-    bad = [{"step": s, "kl": 5e-3, "reward": 0.5} for s in range(1, 6)]
+    bad = [{"step": s, "kl": 12e-3, "reward": 0.5} for s in range(1, 6)]
     default = CollapseMonitor(MonitorConfig())
     assert [a for r in bad for a in default.update(r)] == []  # still building its baseline
     early = CollapseMonitor(MonitorConfig(baselines=base))
@@ -533,7 +533,7 @@ def test_baselines_from_a_known_good_run_judge_a_new_run_early():
 def test_cli_baseline_from_a_known_good_log(tmp_path):
     good = _write(tmp_path / "good.jsonl",
                   [{"step": s, "kl": 1e-3, "reward": 0.5} for s in range(1, 20)])
-    bad = _write(tmp_path / "bad.jsonl", [{"step": s, "kl": 6e-3, "reward": 0.5}
+    bad = _write(tmp_path / "bad.jsonl", [{"step": s, "kl": 12e-3, "reward": 0.5}
                                           for s in range(1, 6)])
     assert _run(str(bad), "--json").exit_code == 0  # the defaults cannot judge 5 steps
     res = _run(str(bad), "--json", "--baseline", str(good))
@@ -547,13 +547,13 @@ def test_cli_baseline_from_a_known_good_log(tmp_path):
 
 
 def test_cli_kl_floor_silences_a_tiny_kl_that_grows_but_not_a_collapse(tmp_path):
-    """The study's on-policy control (L0 SC+MIS seed 0) alerted at step 49 on a KL of 8.2e-5, 7×
-    its baseline of 1.15e-5, with nothing wrong. A floor of 1e-3 silences that shape and keeps the
-    alert on a collapse's KL (1e-3 → 1.5e-2, the grid's GRPO at staleness 8)."""
+    """A tiny KL that grows past the KL rule's lone critical (10×: 1.15e-5 → 1.5e-4, the shape of
+    the study's on-policy controls) alerts by default when no probe says what its level means; a
+    floor of 1e-3 silences it and keeps the alert on a collapse's KL (1e-3 → 1.5e-2)."""
     def log(name, low, high):
         return _write(tmp_path / name, [{"step": s, "kl": low if s < 30 else high, "reward": 0.5}
                                         for s in range(1, 60)])
-    sharpening = log("sync.jsonl", 1.15e-5, 8.2e-5)
+    sharpening = log("sync.jsonl", 1.15e-5, 1.5e-4)
     collapse = log("collapse.jsonl", 1e-3, 1.5e-2)
     assert _run(str(sharpening), "--json").exit_code == 1  # the default: growth alone
     quiet = _run(str(sharpening), "--json", "--kl-floor", "1e-3")
@@ -575,6 +575,6 @@ def test_with_kl_floor_changes_the_kl_rule_alone():
     assert {k: v for k, v in floored.items() if k != "kl"} == {k: v for k, v in rules.items()
                                                                if k != "kl"}
     assert judge(floored["kl"], 8e-5, 1e-5)[0] == NORMAL
-    assert judge(floored["kl"], 4e-3, 1e-3)[0] == CRITICAL
+    assert judge(floored["kl"], 12e-3, 1e-3)[0] == CRITICAL
     with pytest.raises(ValueError, match="--kl-floor"):
         with_kl_floor(rules, -1.0)

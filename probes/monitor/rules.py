@@ -6,12 +6,14 @@ its kind:
 - `growth`: value / baseline ≥ threshold, and value ≥ `floor` (the KL, the SC tail ratio);
 - `fall`: value / baseline ≤ threshold (entropy);
 - `share`: an absolute share above max(threshold, baseline + `margin`) (format errors);
-- `drop`: fall from the running peak, as a fraction of the peak (the reward).
+- `drop`: fall from the running peak, as a fraction of the peak (the reward);
+- `count`: steps with a positive count since the signal was last clear (non-finite log-probs):
+  no baseline, judged from the first step, fires without waiting for a sustained level.
 
 `default_rules()` is the shipped table, each number justified by the study; `MonitorConfig`
 holds the table with what the state machine (state.py) needs around it: the baseline window,
-how many steps make a level sustained, corroboration and re-arming. `judge` is the level of
-one value.
+how many steps make a level sustained, corroboration, re-arming and the KL's probe floor.
+`judge` is the level of one value. docs/monitor-rules.md says why each rule is what it is.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from mismatch.probes.monitor.signals import SIGNALS
 __all__ = ["SignalRule", "MonitorConfig", "default_rules", "with_kl_floor", "judge", "NORMAL",
            "WARNING", "CRITICAL"]
 
-RuleKind = Literal["growth", "fall", "share", "drop"]
-_KINDS = ("growth", "fall", "share", "drop")
+RuleKind = Literal["growth", "fall", "share", "drop", "count"]
+_KINDS = ("growth", "fall", "share", "drop", "count")
 NORMAL, WARNING, CRITICAL = 0, 1, 2
 """A step's level, ordered: comparisons (level >= WARNING) are how the state machine counts."""
 _TINY_BASELINE = 1e-12  # growth/fall/drop need a positive reference: below it, not judged
@@ -38,7 +40,8 @@ class SignalRule:
 
     kind: RuleKind
     """growth: value / baseline ≥ threshold; fall: value / baseline ≤ threshold; share: absolute
-    share ≥ max(threshold, baseline + margin); drop: (peak − value) / peak ≥ threshold."""
+    share ≥ max(threshold, baseline + margin); drop: (peak − value) / peak ≥ threshold; count:
+    steps with a positive value since the signal was last clear ≥ threshold."""
     warning: float | None
     """Threshold of a warning (None: never warns)."""
     critical: float | None = None
@@ -75,8 +78,15 @@ class SignalRule:
 def default_rules() -> dict[str, SignalRule]:
     """The shipped rules, one per signal; why each number is what it is:
 
-    - kl: the study's collapses all grew the sampler–trainer KL 3× or more (critical); 2× is the
-      first sign, and with format errors or a reward fall at the same time it is the signature.
+    - kl: the study's collapses all grew the sampler–trainer KL 3× or more, but so did runs that
+      held (SC+MIS+top-p 4–9×, on-policy controls 7–11×: reports/study.md), so a KL growth alone
+      is a warning from 2×; it is critical with a reward fall or format errors at the same time
+      (the signature: corroboration), or alone at 10×, an order of magnitude past the baseline
+      (a run that logs the KL alone still gets a critical; on the study's runs any lone
+      threshold from 4× up, or none, gives the same alerts: docs/monitor-rules.md). The growth is
+      judged only above the probe floor (`MonitorConfig.kl_probe`, state.py): a KL within
+      `probe_margin` (5)× of what the same sampler shows at the same weights is numerics, whatever
+      its ratio to the baseline.
     - format_error_rate: 62% of episodes ended this way at the collapsed checkpoint, against a
       few percent in healthy runs; 15% is far above binomial noise for batches of hundreds of
       episodes, 30% is a third of the batch gone.
@@ -87,12 +97,16 @@ def default_rules() -> dict[str, SignalRule]:
       collapsed (NUMERICS §5): 2× is a warning, 5× is out of anything a stable run showed.
     - mis_masked_fraction: moves with the KL (2× / 3×), but only above the 1% that `qualify`'s
       default policy allows (below it, MIS wastes little whatever the ratio).
+    - nonfinite_tokens: log-probs that are NaN or ±inf at unmasked positions (the trainer's
+      count). Never a healthy value: the first step with any is a warning at once, a second step
+      with any before the signal has been clear for `rearm_steps` is critical (a one-off overflow
+      on one sequence can be an outlier; a repeat means the numerics are broken).
     - entropy, response_length: warnings only. The study's stable runs' entropy moved both ways
       and trajectory length showed no consistent pattern across collapses, so neither decides a
       run's fate alone; halving entropy or doubling length is still worth a look.
     """
     return {
-        "kl": SignalRule(kind="growth", warning=2.0, critical=3.0,
+        "kl": SignalRule(kind="growth", warning=2.0, critical=10.0,
                          hint="check the sampler's precision, its staleness and the IS correction "
                               "(MIS + SC)"),
         "format_error_rate": SignalRule(
@@ -109,6 +123,10 @@ def default_rules() -> dict[str, SignalRule]:
                               hint="policy entropy is collapsing: exploration is drying up"),
         "response_length": SignalRule(kind="growth", warning=2.0,
                                       hint="responses are running away (repetition?)"),
+        "nonfinite_tokens": SignalRule(
+            kind="count", warning=1, critical=2,
+            hint="NaN/inf log-probs reach the loss: check the trainer's precision (overflow in "
+                 "BF16/FP8 logits) and the sampler's logged log-probs"),
     }
 
 
@@ -159,6 +177,20 @@ class MonitorConfig:
     max_turns: int | None = None
     """Turn limit of the environment, to tell turn-limit endings from unknown ones in raw
     episodes (None: an episode that ends without a format-error streak or a submit is "other")."""
+    kl_probe: float | None = None
+    """KL(sampler ‖ trainer) of a probe of this sampler against this trainer at the same weights
+    (`mismatch probe` / `qualify`'s kl_k3). The KL's growth is judged only above `probe_margin`
+    times it. None: taken from the run's first record if it says it was sampled at the trainer's
+    weights (`probe_from_first_step`), else no floor beyond the rule's own."""
+    probe_margin: float = 5.0
+    """How far above the probe a KL must be to count as more than numerics: the upper end of a
+    95% interval of one training batch's KL at the probe's level. The probes' sequence-bootstrap
+    intervals over 512 prompts reach 1.5× the mean (FP8, NVFP4) to 2.3× (BF16)
+    (reports/probe-*.md); a batch of 16 prompts is √32 ≈ 5.7× noisier: 4× to 8.6× the mean."""
+    probe_from_first_step: bool = True
+    """Take `kl_probe` from the first record with a KL when it states `staleness_max` (or, without
+    it, `staleness_mean`) 0: the trainer's first step samples with the weights it trains, so its
+    KL is the numerics alone (train/trainer.py logs both fields)."""
 
     def __post_init__(self) -> None:
         unknown = [s for s in (*self.rules, *self.signature, *self.baselines) if s not in SIGNALS]
@@ -168,6 +200,13 @@ class MonitorConfig:
                      "max_format_errors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MonitorConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kl_probe is not None and not (isinstance(self.kl_probe, (int, float))
+                                              and math.isfinite(self.kl_probe)
+                                              and self.kl_probe >= 0):
+            raise ValueError(f"MonitorConfig.kl_probe must be a finite number >= 0, "
+                             f"got {self.kl_probe!r}")
+        if not (math.isfinite(self.probe_margin) and self.probe_margin > 0):
+            raise ValueError(f"MonitorConfig.probe_margin must be > 0, got {self.probe_margin}")
         if self.warmup_steps < 0 or self.corroborate_within < 0:
             raise ValueError("MonitorConfig.warmup_steps and corroborate_within must be >= 0")
         for signal, value in self.baselines.items():
@@ -176,11 +215,16 @@ class MonitorConfig:
                                  f"got {value!r}")
 
 
-def judge(rule: SignalRule, x: float, ref: float | None) -> tuple[int, float]:
-    """(level, score) of value x against its reference under `rule`."""
-    if ref is None:
+def judge(rule: SignalRule, x: float, ref: float | None,
+          floor: float | None = None) -> tuple[int, float]:
+    """(level, score) of value x against its reference under `rule`; `floor` (growth) replaces
+    the rule's own where higher. For a count rule x is the number of steps with a positive value
+    since the signal was last clear, and ref is not needed."""
+    if rule.kind == "count":
+        warn, crit, score, up = rule.warning, rule.critical, x, True
+    elif ref is None:
         return NORMAL, math.nan
-    if rule.kind == "share":
+    elif rule.kind == "share":
         warn = None if rule.warning is None else max(rule.warning, ref + rule.margin)
         crit = None if rule.critical is None else max(rule.critical, ref + rule.margin,
                                                       warn if warn is not None else 0.0)
@@ -192,7 +236,7 @@ def judge(rule: SignalRule, x: float, ref: float | None) -> tuple[int, float]:
         warn, crit, score, up = rule.warning, rule.critical, (ref - x) / ref, True
     else:
         warn, crit, score, up = rule.warning, rule.critical, x / ref, rule.kind == "growth"
-        if up and x < rule.floor:
+        if up and x < max(rule.floor, floor or 0.0):
             return NORMAL, score
 
     def beyond(threshold: float | None) -> bool:

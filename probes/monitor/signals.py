@@ -17,8 +17,9 @@ from typing import Any, Literal, Protocol
 __all__ = ["SEVERITIES", "SIGNALS", "Alert", "Sink", "alert_json", "as_number", "severity_rank"]
 
 SIGNALS = ("kl", "format_error_rate", "reward", "sc_tail_ratio", "mis_masked_fraction",
-           "entropy", "response_length")
-"""The monitored signals, in the native metrics format's field names."""
+           "entropy", "response_length", "nonfinite_tokens")
+"""The monitored signals, in the native metrics format's field names (`nonfinite_tokens`: the
+trainer's count of non-finite log-probs at unmasked positions of the step)."""
 SEVERITIES = ("warning", "critical")
 Severity = Literal["warning", "critical"]
 

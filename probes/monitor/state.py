@@ -20,6 +20,13 @@ How a signal is judged (every number below is a `MonitorConfig` / `SignalRule` f
 - **Level** (normal / warning / critical) of each step, from the rule's kind (`rules.judge`).
   `smooth_steps` > 1 compares the median of the last few values (the reward's batch mean is
   noisy).
+- **The KL's probe floor.** A KL below `probe_margin` (5) × the KL a probe of the same sampler
+  shows at the same weights is judged normal whatever its ratio to the baseline: at that level it
+  is the sampler's numerics, which move with the policy (the study's on-policy controls: a KL of
+  1e-5 grew 7× as the policy sharpened, nothing wrong). The probe is `MonitorConfig.kl_probe`,
+  or the run's first record when it says it was sampled at the trainer's weights (staleness 0).
+- **Counts** (`nonfinite_tokens`) need no baseline: the first step with a positive count is a
+  warning at once, the second before the signal re-arms is critical.
 - **Sustained.** A warning fires after `warning_steps` (2) consecutive evaluations at warning or
   above, a critical alert after `critical_steps` (3) at critical: a one-step spike never alerts.
 - **Corroboration.** The signature is a conjunction: a signature signal (KL, format errors,
@@ -56,7 +63,8 @@ class _Track:
     """One signal's history: smoothing window, baseline, level, and its debouncing state."""
 
     __slots__ = ("rule", "seen", "base", "baseline", "window", "peak", "level", "score",
-                 "value", "smoothed", "last_eval", "state", "run_warn", "run_crit", "calm")
+                 "value", "smoothed", "last_eval", "state", "run_warn", "run_crit", "calm",
+                 "hits")
 
     def __init__(self, rule: SignalRule | None, baseline: float | None) -> None:
         self.rule = rule
@@ -72,6 +80,8 @@ class _Track:
         self.last_eval: int | None = None
         self.state = NORMAL
         self.run_warn = self.run_crit = self.calm = 0
+        self.hits = 0
+        """count rules: steps with a positive value since the signal was last clear."""
 
     def reference(self) -> float | None:
         """What the value is compared against: the running peak (drop) or the baseline."""
@@ -99,6 +109,9 @@ class CollapseMonitor:
         """End reasons of the episodes of the last record that carried some."""
         self.first_step: int | None = None
         self.last_step: int | None = None
+        self.kl_probe: float | None = self.config.kl_probe
+        """The probe KL under the KL's floor (config, or the run's first same-weights record)."""
+        self._probe_looked = self.config.kl_probe is not None
         cfg = self.config
         self._tracks = {s: _Track(cfg.rules.get(s), cfg.baselines.get(s)) for s in SIGNALS}
 
@@ -109,6 +122,10 @@ class CollapseMonitor:
         step = self._step_of(record)
         self.counts["records"] += 1
         values = self.read(record)
+        if not self._probe_looked and "kl" in values:
+            self._probe_looked = True  # only the first record with a KL can be the probe
+            if self.config.probe_from_first_step and _same_weights(record):
+                self.kl_probe = values["kl"]
         judged = []
         for signal, value in values.items():
             t = self._tracks[signal]
@@ -196,6 +213,12 @@ class CollapseMonitor:
         t.level = NORMAL
         if rule is None:
             return
+        if rule.kind == "count":
+            t.hits += value > 0
+            t.smoothed, t.last_eval = value, step
+            if value > 0:
+                t.level, t.score = judge(rule, t.hits, None)
+            return
         t.window.append(value)
         if len(t.window) < t.window.maxlen:
             return
@@ -214,7 +237,9 @@ class CollapseMonitor:
                     t.baseline = statistics.median(t.base)
             return
         t.last_eval = step
-        t.level, t.score = judge(rule, x, t.reference())
+        floor = (self.config.probe_margin * self.kl_probe
+                 if t is self._tracks["kl"] and self.kl_probe is not None else None)
+        t.level, t.score = judge(rule, x, t.reference(), floor)
 
     def _count(self, t: _Track) -> None:
         """Consecutive evaluations at warning+, at critical, at normal; re-arm after calm."""
@@ -223,6 +248,7 @@ class CollapseMonitor:
         t.calm = t.calm + 1 if t.level == NORMAL else 0
         if t.state != NORMAL and t.calm >= self.config.rearm_steps:
             t.state = NORMAL
+            t.hits = 0
 
     def _fire(self, signal: str, step: int) -> Alert | None:
         """At most one alert: critical when sustained at critical, or when sustained at warning
@@ -231,22 +257,33 @@ class CollapseMonitor:
         so a jump straight to critical raises the critical alert alone. Each severity fires once
         until the signal re-arms."""
         t, cfg = self._tracks[signal], self.config
+        # a count is evidence at once: no sustained level to wait for
+        need_warn, need_crit = ((1, 1) if t.rule is not None and t.rule.kind == "count"
+                                else (cfg.warning_steps, cfg.critical_steps))
         partners: list[str] = []
         if cfg.corroborate and signal in cfg.signature and t.run_warn >= cfg.warning_steps:
             partners = [o for o in cfg.signature if o != signal
                         and self._tracks[o].run_warn >= cfg.warning_steps
                         and self._tracks[o].last_eval is not None
                         and step - self._tracks[o].last_eval <= cfg.corroborate_within]
-        held = t.level == CRITICAL and t.run_crit < cfg.critical_steps  # may go critical next
-        if (t.run_crit >= cfg.critical_steps or partners) and t.state < CRITICAL:
+        held = t.level == CRITICAL and t.run_crit < need_crit  # may go critical next
+        if (t.run_crit >= need_crit or partners) and t.state < CRITICAL:
             t.state = CRITICAL
-        elif t.run_warn >= cfg.warning_steps and t.state < WARNING and not held:
+        elif t.run_warn >= need_warn and t.state < WARNING and not held:
             t.state = WARNING
         else:
             return None
         steps = t.run_crit if t.state == CRITICAL and not partners else t.run_warn
         return Alert(step=step, signal=signal, severity=_SEVERITY[t.state], value=t.smoothed,
                      baseline=t.reference(), message=_message(signal, t, steps, partners))
+
+
+def _same_weights(record: Mapping[str, Any]) -> bool:
+    """Whether the record says its episodes were sampled at the weights it trains (staleness 0)."""
+    for key in ("staleness_max", "staleness_mean"):
+        if key in record:
+            return as_number(record[key]) == 0
+    return False
 
 
 def _finite(x: Any, counts: Counter[str]) -> float | None:
@@ -264,7 +301,13 @@ def _finite(x: Any, counts: Counter[str]) -> float | None:
 
 def _message(signal: str, t: _Track, steps: int, partners: Sequence[str]) -> str:
     rule, x, ref, score = t.rule, t.smoothed, t.reference(), t.score
-    assert rule is not None and ref is not None
+    assert rule is not None
+    if rule.kind == "count":
+        nth = {1: "first", 2: "second", 3: "third"}.get(t.hits, f"{t.hits}th")
+        text = (f"{signal}: {x:.0f} at this step, the {nth} step with any since the signal was "
+                f"last clear")
+        return f"{text}; {rule.hint}" if rule.hint else text
+    assert ref is not None
     lasting = f"for {steps} step{'s' if steps != 1 else ''}"
     if rule.kind == "share":
         text = (f"{x:.0%} of episodes ended on repeated format errors {lasting} "
