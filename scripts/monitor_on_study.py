@@ -16,7 +16,9 @@ The runs, in three sets:
 - held-out: `reports/study-L1/`, `reports/study-k4/` — the L1 fleet and staleness 4, seeds 0–2
   (12 runs: 6 collapses, 6 that held), not looked at when the rules were set;
 - extra: `reports/study-control/` (the first on-policy control) and
-  `reports/study-targeted/*/` (on-policy GRPO on L2).
+  `reports/study-targeted/*/` (on-policy GRPO on L2);
+- fresh: `reports/study-fresh/*/` — runs with a seed the study never ran (3), made after the
+  rules were set (shorter than 150 steps: the steps column says how long).
 
 The "live" column is the first critical alert of the monitor that ran inside the run
 (`alerts.jsonl`, the rules of the day), for comparison.
@@ -43,7 +45,8 @@ from mismatch.train.rundir import read_metrics  # noqa: E402
 from mismatch.train.study_summary import summarize_run  # noqa: E402
 
 SETS = {"grid": ("reports/study-runs",), "held-out": ("reports/study-L1", "reports/study-k4"),
-        "extra": ("reports/study-control", "reports/study-targeted")}
+        "extra": ("reports/study-control", "reports/study-targeted"),
+        "fresh": ("reports/study-fresh",)}
 BEGIN, END = "<!-- study-replay:begin -->", "<!-- study-replay:end -->"
 
 
@@ -53,6 +56,8 @@ def study_runs(root: Path = ROOT) -> list[tuple[str, Path]]:
     for name, folders in SETS.items():
         for folder in folders:
             base = root / folder
+            if not base.is_dir():
+                continue
             runs = [base] if (base / "metrics.jsonl").is_file() else sorted(
                 p for p in base.iterdir() if (p / "metrics.jsonl").is_file())
             out += [(name, run) for run in runs]
@@ -90,9 +95,9 @@ def judge_run(run: Path, config: MonitorConfig | None = None) -> dict:
 
 def evaluate(config: MonitorConfig | None = None, root: Path = ROOT) -> dict[str, list[dict]]:
     """set → the judged runs of that set."""
-    out: dict[str, list[dict]] = {name: [] for name in SETS}
+    out: dict[str, list[dict]] = {}
     for name, run in study_runs(root):
-        out[name].append(judge_run(run, config))
+        out.setdefault(name, []).append(judge_run(run, config))
     return out
 
 
@@ -109,9 +114,9 @@ def counts(rows: list[dict]) -> dict:
         "missed": [r["run"] for r in collapsed if r["first_critical"] is None],
         "median_lead": statistics.median(leads) if leads else None,
         "min_lead": min(leads) if leads else None,
-        "live_median_lead": statistics.median(
-            [r["halved"] - r["live_first"] for r in collapsed if r["live_first"] is not None]
-            or [float("nan")]),
+        "live_median_lead": statistics.median(live) if (live := [
+            r["halved"] - r["live_first"] for r in collapsed if r["live_first"] is not None])
+        else None,
     }
 
 
@@ -143,7 +148,7 @@ def summary(results: dict[str, list[dict]]) -> str:
             f" — live monitor {len(c['live_false'])}; collapses {c['collapsed']}, alerted before "
             f"the halving {c['before']}, never alerted {len(c['missed'])}; median lead "
             f"{_cell(c['median_lead'])} steps (min {_cell(c['min_lead'])}; live monitor "
-            f"{c['live_median_lead']:g})")
+            f"{_cell(c['live_median_lead'])})")
     return "\n".join(lines)
 
 
