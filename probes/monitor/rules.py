@@ -133,7 +133,9 @@ def default_rules() -> dict[str, SignalRule]:
 def with_kl_floor(rules: Mapping[str, SignalRule], floor: float) -> dict[str, SignalRule]:
     """`rules` with the KL rule's absolute floor set to `floor` (0: growth alone, the default).
 
-    Not on by default: the KL's scale depends on who logs it. On the study's on-policy controls a
+    The default floor is relative instead: `MonitorConfig.probe_margin` × a probe of the same
+    sampler at the same weights (state.py), which needs no knowledge of the KL's scale. A fixed
+    one is not on by default: the KL's scale depends on who logs it. On the study's on-policy controls a
     BF16 sampler's KL of ~1e-5 grew 7× as the policy sharpened, with nothing wrong (a floor of
     1e-3, the level same-precision kernels of two stacks differ by, silences it and moves no
     collapse's alert); a framework's logged KL proxy can run at 1e-4 through a whole collapse,
