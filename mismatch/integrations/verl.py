@@ -47,7 +47,7 @@ that `check_config` never saw, or bypass off) raises. `rollout_rs_threshold` mea
 to verl's token_k1 rejection (verl@v0.9.1: rollout_corr_helper.py compute_rollout_rejection_mask):
 verl keeps a token when low <= μ/π <= high (its token_k1 statistic is −log(π/μ)), that is
 π/μ in [1/high, 1/low], and that is the band the arms apply to x = π/μ; the threshold is parsed
-by verl's own parser (a single value v means v's reciprocal to v). So the plug-in masks the
+by verl's own parser (a single value v means the band 1/v_v). So the plug-in masks the
 tokens that verl's bypass-mode REINFORCE with token IS and token_k1 rejection masks, and
 `mismatch_mis` computes that loss (tests/test_integration_verl.py). Without rollout_rs the
 arm's own band applies (train.loss.ARMS: x = π/μ in [MIS_LOW, MIS_HIGH]).
@@ -117,7 +117,7 @@ def _band(name: str, corr: Any) -> tuple[float, float] | None:
         raise ValueError(f"{name}: set {_corr_key('rollout_rs_threshold')}=<low>_<high> with "
                          f"{_corr_key('rollout_rs')}=token_k1")
     from verl.trainer.ppo.rollout_corr_helper import _parse_rollout_rs_thresholds
-    try:  # verl's own parser: "low_high", or one value v meaning 1/v_v
+    try:  # verl's own parser: "low_high", or a single v read as low = 1/v, high = v
         parsed = _parse_rollout_rs_thresholds(["token_k1"], spec)["token_k1"]
     except (TypeError, ValueError) as err:
         raise ValueError(f"{name}: {_corr_key('rollout_rs_threshold')}={spec!r}: {err}") from None
