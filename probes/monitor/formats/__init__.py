@@ -5,9 +5,12 @@
 - `frameworks.py`: `ADAPTERS`, one per framework, each field citing the code that logs it;
 - `console.py`: slime's and Miles' console metric lines (a Python dict repr per report);
 - `reader.py`: `RecordReader` (lines → records on one step axis, with what was skipped and the
-  notices the user should read), TRL's trainer_state.json.
+  notices the user should read), TRL's trainer_state.json;
+- `tensorboard.py`: TensorBoard event files → metric dicts (`TensorBoardLog`; the tensorboard
+  package's protobufs), `wandb_offline.py`: W&B run files → history rows (`WandbLog`; wandb's).
 
-What each framework writes and how to point the monitor at it: README.md, "Live collapse alerts".
+What each framework writes and how to point the monitor at it: README.md, "Live collapse alerts",
+and docs/monitor.md.
 """
 
 from __future__ import annotations
