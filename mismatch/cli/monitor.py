@@ -2,7 +2,10 @@
 
 Registered by mismatch/cli/main.py (`app.command("monitor")(monitor_command)`). Exit codes: 0 no
 alert at or above `--fail-on`, 1 one fired, 2 bad input (missing file, unknown format, bad
-`--map`, a sink that cannot start, a file of which not one record could be read). Lines that
+`--map`, a sink that cannot start, a log of which not one record could be read — an empty one
+too —, a TensorBoard or W&B log without the package that reads it). Fewer steps than a signal
+needs to be judged (14 by default) are said so in the summary line. What each framework leaves
+on disk and how to point the monitor at it: docs/monitor.md. Lines that
 cannot be used — not JSON, not an object, no monitored field, non-numeric or NaN values, no
 step — are counted and reported at the end; fatal only when no line at all was usable.
 
@@ -52,8 +55,10 @@ def _display(as_json: bool):
 
 def monitor_command(
     file: Path = typer.Argument(..., help="Metrics log: JSON lines (one object per step), "
-                                "slime/Miles console lines, or TRL's trainer_state.json (or "
-                                "checkpoint dir)."),
+                                "slime/Miles console lines, TRL's trainer_state.json (or "
+                                "checkpoint dir), a TensorBoard run folder or event file, a W&B "
+                                "run folder or run-<id>.wandb file, or a `mismatch train` run "
+                                "folder (its metrics.jsonl). --format names whose keys it holds."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep reading as the file grows "
                                 "(tail -F: survives truncation and rotation) until SIGINT/SIGTERM "
                                 "or --max-idle."),
@@ -118,22 +123,24 @@ def monitor_command(
     monitor = CollapseMonitor(config, sinks=sinks)
     reader = RecordReader(adapter)
     stop = threading.Event()
+    steps: set[int] = set()
     try:
         with stop_on_signals(stop) if follow else nullcontext():
             for record in read_records(file, reader, follow=follow, poll_interval=poll_interval,
                                        max_idle=max_idle, stop=stop):
                 monitor.update(record)
+                steps.add(monitor.last_step)
     except ValueError as exc:
         fail(str(exc).splitlines()[0])
     finally:
         monitor.close()
-    if not monitor.counts["records"] and (problem := unreadable(file, reader)):
-        fail(problem)
+    if not monitor.counts["records"]:  # an empty log too: a gate must not pass on nothing
+        fail(unreadable(file, reader) or f"{file}: not one record to monitor")
     for notice in reader.notices():
         typer.echo(f"mismatch: note: {notice}", err=True)
     for problem in sink_problems(sinks):
         typer.echo(f"mismatch: {problem}", err=True)
-    summary = run_summary(monitor, reader, fail_on)
+    summary = run_summary(monitor, reader, fail_on, steps=len(steps))
     if as_json:
         typer.echo(json.dumps({"summary": summary}))
     else:

@@ -2,7 +2,8 @@
 
 `run_summary` is the object `mismatch monitor --json` prints last (records, steps, alerts by
 severity, what was skipped and why, truncations and rotations followed, the reader's notes);
-`summary_line` is its one line for a person. `unreadable` is the error for a log of which not
+`summary_line` is its one line for a person (saying so when too few steps were read for any
+signal to be judged). `unreadable` is the error for a log of which not
 one record could be read, saying what the chosen format expected; `sink_problems` what a sink
 failed to deliver.
 """
@@ -17,16 +18,25 @@ from mismatch.probes.monitor.formats.reader import expected_input
 from mismatch.probes.monitor.signals import Sink
 from mismatch.probes.monitor.state import CollapseMonitor
 
-__all__ = ["run_summary", "summary_line", "unreadable", "sink_problems"]
+__all__ = ["run_summary", "summary_line", "steps_needed", "unreadable", "sink_problems"]
 
 
-def run_summary(monitor: CollapseMonitor, reader: RecordReader, fail_on: str) -> dict:
-    """What a run's monitoring amounted to: records, steps, alerts, what was skipped and why."""
+def steps_needed(monitor: CollapseMonitor) -> int | None:
+    """How many steps a signal needs before it is judged: its warmup and baseline steps, then the
+    first judged one (14 by default); None when baselines were given (judged from the start)."""
+    cfg = monitor.config
+    return None if cfg.baselines else cfg.warmup_steps + cfg.baseline_steps + 1
+
+
+def run_summary(monitor: CollapseMonitor, reader: RecordReader, fail_on: str,
+                steps: int | None = None) -> dict:
+    """What a run's monitoring amounted to: records, steps, alerts, what was skipped and why.
+    `steps`: how many distinct steps were read (None: not counted)."""
     tally, notes = reader.tally, reader.notes
     alerts = monitor.alerts
     return {
         "records": monitor.counts["records"], "first_step": monitor.first_step,
-        "last_step": monitor.last_step,
+        "last_step": monitor.last_step, "steps": steps, "steps_needed": steps_needed(monitor),
         "alerts": {"warning": sum(a.severity == "warning" for a in alerts),
                    "critical": sum(a.severity == "critical" for a in alerts)},
         "fail_on": fail_on,
@@ -58,17 +68,23 @@ def summary_line(summary: dict) -> str:
     a = summary["alerts"]
     skipped = ", ".join(f"{v} {_LABELS[k][v != 1]}" for k, v in summary["skipped"].items() if v)
     followed = ", ".join(f"{summary[k]} {k}" for k in ("truncations", "rotations") if summary[k])
+    n, needed = summary.get("steps"), summary.get("steps_needed")
+    few = (f"; only {n} step{'s' if n != 1 else ''}: too few to judge (the baseline needs "
+           f"{needed})") if n is not None and needed is not None and n < needed else ""
     return (f"monitored {summary['records']} records{steps}: {a['critical']} critical, "
             f"{a['warning']} warning alert{'s' if a['warning'] != 1 else ''}"
+            + few
             + (f"; skipped {skipped}" if skipped else "")
             + (f"; followed {followed}" if followed else ""))
 
 
 def unreadable(file: Path, reader: RecordReader) -> str | None:
-    """The one-line error for a file of which no record could be read (None if some was)."""
+    """The one-line error for a log of which no record could be read: an empty one too (a gate
+    that passes on nothing would pass on a run that never logged)."""
     t, name = reader.tally, reader.adapter.name
     if not t["lines"]:
-        return None
+        return (f"{file}: empty, not one record to monitor; --format {name} expects "
+                f"{expected_input(reader.adapter)}")
     seen = t["json_objects"] + t["console_lines"]
     if not seen:
         what = "a JSON object" + (" or a console metrics line" if reader.console else "")
