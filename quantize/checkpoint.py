@@ -65,7 +65,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -74,7 +76,7 @@ from typing import Any
 
 from mismatch.io import atomic_directory, check_writable_dir
 
-from .checkpoint_formats import CHECKPOINT_FORMATS, KV_CACHE_FORMATS
+from .checkpoint_formats import CHECKPOINT_FORMATS, KV_CACHE_FORMATS, QUANTIZE_INFO
 from .errors import QuantizeError
 
 __all__ = ["QuantizeConfig", "QuantizeSummary", "quantize_checkpoint"]
@@ -173,6 +175,10 @@ def quantize_checkpoint(config: QuantizeConfig) -> QuantizeSummary:
             export_hf_checkpoint(model, export_dir=str(tmp))
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
+            (tmp / QUANTIZE_INFO).write_text(json.dumps({
+                "format": fmt.name, "kv_cache": config.kv_cache,
+                "source_model": str(model_dir.resolve())}, indent=2) + "\n")
+            _readable(tmp)
             quant = load_json(tmp / "hf_quant_config.json").get("quantization", {})
             quantized, bytes_after = _quantized_modules(tmp), safetensors_bytes(tmp)
     return QuantizeSummary(
@@ -180,6 +186,16 @@ def quantize_checkpoint(config: QuantizeConfig) -> QuantizeSummary:
         quantized=quantized, excluded=tuple(quant.get("exclude_modules", [])),
         bytes_before=safetensors_bytes(model_dir), bytes_after=bytes_after,
         wall_seconds=time.perf_counter() - start, calibration=calibration)
+
+
+def _readable(directory: Path) -> None:
+    """modelopt's export writes model.safetensors owner-only (0600); a checkpoint is read by
+    servers under other users, so give every file the mode a plain write would (umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _check_source(model_dir: Path) -> dict[str, Any]:

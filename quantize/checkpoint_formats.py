@@ -12,7 +12,12 @@ from .codecs import get_codec
 from .errors import QuantizeError
 from .precisions import PRECISIONS
 
-__all__ = ["CheckpointFormat", "CHECKPOINT_FORMATS", "KV_CACHE_FORMATS", "format_for_quant_algo"]
+__all__ = ["CheckpointFormat", "CHECKPOINT_FORMATS", "KV_CACHE_FORMATS", "QUANTIZE_INFO",
+           "format_for_quant_algo"]
+
+QUANTIZE_INFO = "mismatch_quantize.json"
+"""Written beside a `mismatch quantize` checkpoint: its format, KV cache and the BF16 model it
+came from (so a reader can name the model to compare it with)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,7 @@ bad input is refused with a one-line message and never leaves a directory behind
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,7 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mismatch.quantize.checkpoint import QuantizeConfig, quantize_checkpoint
+from mismatch.quantize.checkpoint_formats import QUANTIZE_INFO
 from mismatch.quantize.errors import QuantizeError
+from mismatch.zoo.errors import ZooError
+from mismatch.zoo.loading import check_model_dir
 
 _MODELOPT = "nvidia-modelopt not installed (pip install -e '.[quantize]')"
 
@@ -67,6 +71,18 @@ def test_summary_and_files(tiny_moe_dir, tmp_path):
     assert summary.calibration.startswith("random token ids")
     assert summary.wall_seconds > 0
     assert [p.name for p in out.parent.iterdir()] == ["out"]  # no temp or backup left behind
+    # readable by a server under another user (modelopt's export alone writes 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \
+        {p.name: 0o666 & ~umask for p in out.iterdir()}
+    info = json.loads((out / QUANTIZE_INFO).read_text())
+    assert info == {"format": "nvfp4", "kv_cache": "fp8",
+                    "source_model": str(tiny_moe_dir.resolve())}
+    # the trainer side refuses it in one line naming the model it came from; a server loads it
+    with pytest.raises(ZooError, match=f"nvfp4 checkpoint.*--model {tiny_moe_dir.resolve()}"):
+        check_model_dir(out, tokenizer=False)  # the tiny model has no tokenizer
+    assert check_model_dir(out, tokenizer=False, quantized=True) == out
 
 
 def test_tokenizer_is_used_for_calibration_and_saved(tiny_model_factory, tmp_path):

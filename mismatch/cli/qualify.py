@@ -12,9 +12,11 @@ from mismatch.cli.common import fail, quiet_libraries, run_with_bars
 
 def qualify_command(
     gpu: str | None = typer.Option(None, "--gpu", help="Emulated sampler GPU (a100, h100, h200, "
-                                   "b200, b300, rtx-pro-6000)."),
+                                   "b200, b300, rtx-pro-6000); with --sampler, the server's GPU "
+                                   "(labels the verdict)."),
     dtype: str | None = typer.Option(None, "--dtype", help="Emulated sampler precision (bf16, "
-                                     "fp16, fp8, w4a16-nvfp4, nvfp4, mxfp4)."),
+                                     "fp16, fp8, w4a16-nvfp4, nvfp4, mxfp4); with --sampler, the "
+                                     "server's weights (labels the verdict)."),
     kv_cache: str | None = typer.Option(None, "--kv-cache", help="KV cache: bf16 or fp8."),
     model: Path | None = typer.Option(None, "--model", help="Hugging Face model directory "
                                       "(default: the embedded model); the trainer side."),
@@ -70,6 +72,14 @@ def qualify_command(
                 raise ValueError(f"live servers cannot be qualified by this install ({exc}); "
                                  f"qualify an emulated sampler with --gpu/--dtype") from None
 
+            if (gpu is None) != (dtype is None):
+                raise ValueError("with --sampler, --gpu and --dtype label the server together "
+                                 "(the GPU it runs on, its weights' format): pass both or neither")
+            if gpu is not None:
+                from mismatch.profiles import resolve
+
+                spec = resolve(gpu, dtype, kv_cache)  # an unknown name is refused here too
+                gpu, dtype = spec.gpu, spec.dtype
             target = check_output_dir(out or Path("runs") / "qualify-remote", "qualify",
                                       force=force)
             result = run_with_bars(

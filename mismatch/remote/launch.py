@@ -279,7 +279,7 @@ def vllm_server(model_dir: str | Path | None = None, *, venv: str | Path | None 
     exits early or is not ready in time."""
     from ..zoo import check_model_dir, default_model_dir
 
-    model = check_model_dir(model_dir, tokenizer=True) if model_dir is not None \
+    model = check_model_dir(model_dir, tokenizer=True, quantized=True) if model_dir is not None \
         else check_model_dir(default_model_dir())
     python = _venv_python(venv)
     venv_dir = python.parent.parent

@@ -106,7 +106,7 @@ def sglang_server(model_dir: str | Path, *, venv: str | Path | None = None,
     SGLang is missing, the port is taken, the server exits early or is not ready in time."""
     from ..zoo import check_model_dir
 
-    model = check_model_dir(model_dir, tokenizer=True)
+    model = check_model_dir(model_dir, tokenizer=True, quantized=True)
     python = _python(venv)
     venv_dir = python.parent.parent
     if not sglang_available(venv_dir):

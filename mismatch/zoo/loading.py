@@ -15,7 +15,8 @@ from typing import Any
 
 from .errors import ZooError
 
-__all__ = ["default_model_dir", "check_model_dir", "load_model", "load_tokenizer"]
+__all__ = ["default_model_dir", "check_model_dir", "load_model",
+           "load_tokenizer"]
 
 _DATA_DIR = Path(__file__).resolve().parent / "data"
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -28,8 +29,10 @@ def default_model_dir() -> Path:
 
 
 def check_model_dir(path: str | Path | None = None, *, weights: bool = True,
-                    tokenizer: bool = True) -> Path:
-    """The resolved model directory, or a `ZooError` naming what is missing and what to do."""
+                    tokenizer: bool = True, quantized: bool = False) -> Path:
+    """The resolved model directory, or a `ZooError` naming what is missing and what to do.
+    With `weights`, the safetensors files must be whole, and a quantized checkpoint is refused
+    unless `quantized` (a server may load one; the trainer side cannot)."""
     embedded = path is None
     where = default_model_dir() if embedded else Path(path).expanduser()
     fix = ("run `mismatch zoo build` to build the embedded model" if embedded else
@@ -46,7 +49,71 @@ def check_model_dir(path: str | Path | None = None, *, weights: bool = True,
         missing.append("tokenizer.json")
     if missing:
         raise ZooError(f"model directory {where} lacks {', '.join(missing)}; {fix}")
+    if weights:
+        _check_weights(where)
+        if not quantized:
+            _refuse_quantized(where)
     return where
+
+
+def _check_weights(where: Path) -> None:
+    """Every safetensors file's header parses and covers the file (a truncated or overwritten
+    file fails here in one line, not deep inside transformers)."""
+    import json
+
+    from safetensors import safe_open
+
+    files = sorted(where.glob("*.safetensors"))
+    index = where / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ZooError(f"{index} is not a safetensors index ({type(exc).__name__}); "
+                           "rewrite the checkpoint with save_pretrained") from None
+        absent = sorted(s for s in shards if not (where / s).is_file())
+        if absent:
+            raise ZooError(f"{index} names {absent[0]}, which is missing; copy the whole "
+                           "checkpoint")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # safetensors' own error type; one line whatever it is
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ZooError(f"{file} is corrupt or truncated ({detail}); rebuild or copy the "
+                           "checkpoint again") from None
+
+
+def _refuse_quantized(where: Path) -> None:
+    """A quantized checkpoint (modelopt's export) is a sampler's weights, not a model both
+    sides can load: say what to run instead."""
+    import json
+
+    try:
+        config = json.loads((where / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ZooError(f"{where / 'config.json'} is not JSON ({type(exc).__name__}); rewrite "
+                       "it with save_pretrained") from None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if not quant and not (where / "hf_quant_config.json").is_file():
+        return
+    from mismatch.quantize.checkpoint_formats import QUANTIZE_INFO
+
+    info = {}
+    if (where / QUANTIZE_INFO).is_file():
+        try:
+            info = json.loads((where / QUANTIZE_INFO).read_text())
+        except ValueError:
+            info = {}
+    fmt = info.get("format") or (quant or {}).get("quant_algo") or \
+        (quant or {}).get("quant_method", "quantized")
+    source = info.get("source_model")
+    model = f"--model {source}" if source else "--model <the BF16 checkpoint it came from>"
+    raise ZooError(f"{where} is a {fmt} checkpoint (a sampler's weights); probe the format "
+                   f"against the BF16 model it came from: {model} --dtype {fmt} (the probe "
+                   "quantizes with the same codecs), or serve it and run `mismatch qualify "
+                   "--sampler URL`")
 
 
 def _torch_dtype(dtype: Any):
