@@ -30,10 +30,11 @@ SNAPSHOT = {
                  "--model", "--out", "--seed"],
     "report": ["--out"],
     "study": ["--adopt", "--arms", "--eval-full-vocab", "--eval-tasks", "--export", "--fleets", "--jobs",
-              "--lr", "--notes", "--out", "--policy-steps", "--preset", "--prompts", "--quiet", "--report", "--report-only",
+              "--lr", "--n-prompts", "--notes", "--out", "--policy-steps", "--preset", "--prompts", "--quiet", "--report", "--report-only",
               "--samples", "--seeds", "--staleness", "--steps", "--sync-arms", "--tasks"],
     "train": ["--address", "--backend", "--checkpoint-every", "--correction", "--eval-every",
-              "--eval-tasks", "--keep-checkpoints", "--lr", "--max-staleness", "--model", "--out",
+              "--eval-tasks", "--keep-checkpoints", "--lr", "--max-staleness", "--model",
+              "--n-prompts", "--out",
               "--placement", "--preset",
               "--prompts", "--quiet", "--replicas", "--resume", "--sampler-processes", "--samples",
               "--seed", "--staleness", "--steps", "--stop-on", "--sync", "--tasks", "--threads",
@@ -142,3 +143,40 @@ def test_bare_groups_print_their_help_and_exit_2_and_command_codes_pass_through(
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         res = _main("monitor", str(path), "--json")
         assert res.returncode == code, (kind, res.stderr[-500:])
+
+
+def test_every_command_takes_h_and_draws_flags_without_a_value():
+    """`-h` is `--help` everywhere; a flag (`--json`) is drawn with no `<bool>` value it would
+    refuse; `--prompts` of train and study (a count) is hidden behind --n-prompts, as in probe,
+    where --prompts is a file."""
+    runner = CliRunner()
+    tree = _commands(typer.main.get_command(app))
+    for name in tree:
+        res = runner.invoke(app, [*name.split(), "-h"], env={"COLUMNS": "250"})
+        assert res.exit_code == 0, (name, res.output)
+        assert "Usage:" in res.output and "<bool>" not in res.output, name
+    probe = runner.invoke(app, ["probe", "-h"], env={"COLUMNS": "250"}).output
+    assert "--json " in probe and "--n-prompts" in probe
+    for name in ("train", "study"):
+        shown = runner.invoke(app, [name, "-h"], env={"COLUMNS": "250"}).output
+        assert "--n-prompts" in shown and "--prompts " not in shown, name
+        assert "grpo+topp (or topp)" in shown, name
+
+
+def test_train_and_study_take_the_same_arm_names_and_the_former_prompts():
+    from mismatch.cli.common import ARM_ALIASES, STUDY_ARM_ALIASES, one_of
+    from mismatch.train.config import preset_config
+    from mismatch.train.loss import ARMS as LOSS_ARMS
+    from mismatch.train.study import ARMS as STUDY_ARMS
+
+    for study_name, loss_name in STUDY_ARMS.items():  # every study arm is a --correction name
+        assert ARM_ALIASES.get(study_name, study_name) == loss_name
+        assert preset_config("smoke", correction=ARM_ALIASES.get(study_name, study_name)
+                             ).correction == loss_name
+    for loss_name in STUDY_ARMS.values():  # and every such loss name is a study --arms name
+        assert STUDY_ARM_ALIASES.get(loss_name, loss_name) in STUDY_ARMS
+    assert set(STUDY_ARMS.values()) <= set(LOSS_ARMS)
+    assert one_of(None, 6) == 6 and one_of(6, None) == 6 and one_of(None, None) is None
+    res = subprocess.run([sys.executable, "-m", "mismatch.cli", "train", "--out", "/nonexistent/x",
+                          "--n-prompts", "2", "--prompts", "2"], capture_output=True, text=True)
+    assert res.returncode == 2 and "--prompts is the former name of --n-prompts" in res.stderr

@@ -7,11 +7,23 @@ from typing import NoReturn
 
 import typer
 
-__all__ = ["EXIT_BAD_INPUT", "fail", "preset_help", "quiet_libraries", "run_with_bars",
-           "run_with_state_bar"]
+__all__ = ["ARM_ALIASES", "EXIT_BAD_INPUT", "STUDY_ARM_ALIASES", "fail", "one_of", "preset_help",
+           "quiet_libraries", "run_with_bars", "run_with_state_bar"]
 
 EXIT_BAD_INPUT = 2
 """Exit code of bad input (a one-line error on stderr)."""
+
+ARM_ALIASES = {"grpo+topp": "topp"}
+"""`train --correction` takes the study's name of the top-p arm (GRPO + top-p mask replay) too."""
+STUDY_ARM_ALIASES = {"topp": "grpo+topp"}
+"""`study --arms` takes the trainer's name of that arm too: one set of names for both commands."""
+
+
+def one_of(value, former, name: str = "--n-prompts", former_name: str = "--prompts"):
+    """The value of an option given under its name or its former (hidden) one, not both."""
+    if value is not None and former is not None:
+        raise ValueError(f"{former_name} is the former name of {name}; pass {name} alone")
+    return value if former is None else former
 
 _QUIETED_WARNINGS = (
     # torch.jit's deprecation notices, raised while modelopt and deepspeed import their kernels

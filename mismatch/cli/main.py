@@ -21,8 +21,29 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every subcommand inherits it
 )
 
+
+def _flags_show_no_type() -> None:
+    """typer 0.29's help draws a flag's type, `--json <bool>`, as if it took a value (it takes
+    none: `--json true` is refused). Draw a flag with no type column, as click does."""
+    try:
+        from typer.core import TyperOption
+    except ImportError:
+        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_mismatch_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    display_type_rich._mismatch_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
 
 
 @app.callback()

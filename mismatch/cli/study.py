@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from mismatch.cli.common import preset_help, run_with_state_bar
+from mismatch.cli.common import STUDY_ARM_ALIASES, one_of, preset_help, run_with_state_bar
 from mismatch.train.study import STUDY_PRESETS
 
 __all__ = ["study_command"]
@@ -37,14 +37,17 @@ def study_command(
     fleets: Optional[str] = typer.Option(None, "--fleets", help="Comma-separated: L0 "
                                          "(homogeneous), L1 (precision), L2 (mixed)."),
     arms: Optional[str] = typer.Option(None, "--arms", help="Comma-separated among grpo, mis, "
-                                       "sc, sc+mis, grpo+topp, sc+mis+topp."),
+                                       "sc, sc+mis, grpo+topp (or topp), sc+mis+topp — the "
+                                       "names `mismatch train --correction` takes."),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="Comma-separated seeds (0,1,2)."),
     staleness: Optional[str] = typer.Option(None, "--staleness", help="Comma-separated forced "
                                             "staleness values K."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps per run."),
     lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Task kinds (arith)."),
-    prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts per step."),
+    prompts: Optional[int] = typer.Option(None, "--n-prompts", help="Prompts per step."),
+    prompts_alias: Optional[int] = typer.Option(None, "--prompts", hidden=True,
+                                                help="Former name of --n-prompts."),
     samples: Optional[int] = typer.Option(None, "--samples", help="Episodes per prompt."),
     sync_arms: Optional[str] = typer.Option(None, "--sync-arms", help="Comma-separated arms "
                                             "also run on-policy (--sync) as controls, on L0 "
@@ -96,10 +99,13 @@ def study_command(
         if notes is not None and not notes.is_file():
             raise ValueError(f"--notes {notes}: no such file")
         cfg = STUDY_PRESETS[preset]()
-        over = {"fleets": fleets and _csv(fleets), "arms": arms and _csv(arms),
+        prompts = one_of(prompts, prompts_alias)
+        over = {"fleets": fleets and _csv(fleets),
+                "arms": arms and tuple(STUDY_ARM_ALIASES.get(a, a) for a in _csv(arms)),
                 "seeds": seeds and _csv(seeds, int),
                 "staleness": staleness and _csv(staleness, int),
-                "sync_arms": None if sync_arms is None else _csv(sync_arms),
+                "sync_arms": None if sync_arms is None else
+                tuple(STUDY_ARM_ALIASES.get(a, a) for a in _csv(sync_arms)),
                 "policy_steps": policy_steps, "eval_tasks": eval_tasks,
                 "steps": steps, "lr": lr, "tasks": tasks, "prompts": prompts, "samples": samples}
         cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})

@@ -17,7 +17,7 @@ from typing import Optional
 
 import typer
 
-from mismatch.cli.common import run_with_state_bar
+from mismatch.cli.common import ARM_ALIASES, one_of, run_with_state_bar
 
 
 __all__ = ["train_command", "report_command"]
@@ -29,13 +29,16 @@ def train_command(
     preset: str = typer.Option("mixed", "--preset", help="homogeneous | precision | mixed | "
                                "smoke (a few small steps on the mixed fleet, for CI)."),
     correction: str = typer.Option("sc+mis+topp", "--correction", help="Loss arm: grpo, mis, "
-                                   "icepop, tis, sc, sc+mis, sc+tis, topp, sc+mis+topp."),
+                                   "icepop, tis, sc, sc+mis, sc+tis, grpo+topp (or topp), "
+                                   "sc+mis+topp — the names `mismatch study --arms` takes."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (preset's "
                                         "default: 200; smoke: 3)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its "
                                 "newest checkpoint."),
     lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (1e-4)."),
-    prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts per step (4)."),
+    prompts: Optional[int] = typer.Option(None, "--n-prompts", help="Prompts per step (4)."),
+    prompts_alias: Optional[int] = typer.Option(None, "--prompts", hidden=True,
+                                                help="Former name of --n-prompts."),
     samples: Optional[int] = typer.Option(None, "--samples", help="Episodes per prompt, the "
                                           "GRPO group (8)."),
     max_staleness: Optional[int] = typer.Option(None, "--max-staleness", help="Bound on a "
@@ -92,6 +95,8 @@ def train_command(
     from mismatch.train.rundir import check_out
 
     try:
+        prompts = one_of(prompts, prompts_alias)
+        correction = ARM_ALIASES.get(correction, correction)
         cfg = preset_config(preset, correction=correction, steps=steps, lr=lr,
                             prompts_per_step=prompts, samples_per_prompt=samples,
                             max_staleness=max_staleness, staleness=staleness,
