@@ -32,9 +32,37 @@ import signal
 import sys
 from typing import Callable, Iterator
 
-__all__ = ["SMALL_MODEL_PARAMETERS", "default_threads", "torch_threads", "tune_allocator",
+__all__ = ["SMALL_MODEL_PARAMETERS", "QUIETED_WARNINGS", "quiet_library_logs", "default_threads", "torch_threads", "tune_allocator",
            "bound_kernel_caches", "KERNEL_CACHE_SHAPES",
            "parent_death_signal", "core_slots", "child_setup", "keep_nice"]
+
+QUIETED_WARNINGS = (
+    # torch.jit's deprecation notices, raised while modelopt and deepspeed import their kernels
+    (r"`torch\.jit\.script", DeprecationWarning, ""),
+    # the optional quantization libraries' import-time notices (missing CUDA extensions)
+    ("", UserWarning, r"(torchao|modelopt|deepspeed)(\.|$)"),
+    ("", FutureWarning, r"(torchao|modelopt|deepspeed|transformers)(\.|$)"),
+)
+"""(message regex, category, module regex) of the only warnings silenced; anything else still
+reaches the user."""
+
+QUIETED_LOGGERS = ("torchao", "torch.utils._pytree", "DeepSpeed", "deepspeed", "modelopt")
+"""Loggers kept to errors: torchao's "Failed to load ... _C_mxfp8" (CUDA extensions a CPU build
+cannot load) and torch's `_pytree` notices about torchao's enums, at every import."""
+
+
+def quiet_library_logs() -> None:
+    """Keep optional libraries' import-time chatter out of stderr, in this process: the CLI
+    calls it, and so does every sampler worker process it spawns (a spawned child starts with
+    fresh logging and warning filters)."""
+    import logging
+    import warnings
+
+    for name in QUIETED_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for message, category, module in QUIETED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
 
 SMALL_MODEL_PARAMETERS = 50_000_000
 """Below this many parameters one intra-op thread is the fastest for a forward: the per-op work

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -180,3 +181,36 @@ def test_train_and_study_take_the_same_arm_names_and_the_former_prompts():
     res = subprocess.run([sys.executable, "-m", "mismatch.cli", "train", "--out", "/nonexistent/x",
                           "--n-prompts", "2", "--prompts", "2"], capture_output=True, text=True)
     assert res.returncode == 2 and "--prompts is the former name of --n-prompts" in res.stderr
+
+
+def test_progress_off_a_terminal_is_plain_lines_at_most_every_30_s():
+    from mismatch.cli.common import LineProgress
+
+    now, lines = [0.0], []
+    progress = LineProgress(every=30.0, clock=lambda: now[0], write=lines.append)
+    for done in range(11):  # 10 items, 10 s apart
+        progress("sampling", done, 10)
+        now[0] += 10.0
+    progress("sampling", 10, 10)  # finished: nothing more
+    progress("scoring", 1, 1, "detail")
+    assert lines == ["mismatch: sampling: 0/10", "mismatch: sampling: 3/10 (30 s)",
+                     "mismatch: sampling: 6/10 (60 s)", "mismatch: sampling: 9/10 (90 s)",
+                     "mismatch: sampling: 10/10 done (100 s)", "mismatch: scoring: 1/1 done detail"]
+
+
+@pytest.mark.parametrize("args", [
+    ["probe", "--gpu", "b200", "--dtype", "nvfp4", "--n-prompts", "2", "--max-new-tokens", "4"],
+    ["train", "--preset", "smoke", "--steps", "1"],
+])
+def test_stderr_off_a_terminal_has_progress_lines_and_no_library_chatter(args, tmp_path):
+    """A CI log (stderr a pipe) gets progress lines, no blank first line (rich's bar drew one),
+    and none of torchao's "Failed to load ... _C_mxfp8" or torch's _pytree notices, from this
+    process or the sampler processes it spawns."""
+    proc = subprocess.run([sys.executable, "-m", "mismatch.cli", *args, "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines and lines[0].strip(), proc.stderr
+    assert any(line.startswith("mismatch: ") and " done" in line for line in lines), proc.stderr
+    for chatter in ("Failed to load", "_pytree", "Warning", "warn("):
+        assert chatter not in proc.stderr, proc.stderr

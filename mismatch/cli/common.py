@@ -7,7 +7,8 @@ from typing import NoReturn
 
 import typer
 
-__all__ = ["ARM_ALIASES", "EXIT_BAD_INPUT", "STUDY_ARM_ALIASES", "fail", "one_of", "preset_help",
+__all__ = ["ARM_ALIASES", "EXIT_BAD_INPUT", "LineProgress", "STUDY_ARM_ALIASES", "fail", "one_of",
+           "preset_help",
            "quiet_libraries", "run_with_bars", "run_with_state_bar"]
 
 EXIT_BAD_INPUT = 2
@@ -25,15 +26,6 @@ def one_of(value, former, name: str = "--n-prompts", former_name: str = "--promp
         raise ValueError(f"{former_name} is the former name of {name}; pass {name} alone")
     return value if former is None else former
 
-_QUIETED_WARNINGS = (
-    # torch.jit's deprecation notices, raised while modelopt and deepspeed import their kernels
-    (r"`torch\.jit\.script", DeprecationWarning, ""),
-    # the optional quantization libraries' import-time notices (missing CUDA extensions)
-    ("", UserWarning, r"(torchao|modelopt|deepspeed)(\.|$)"),
-    ("", FutureWarning, r"(torchao|modelopt|deepspeed|transformers)(\.|$)"),
-)
-"""(message regex, category, module regex) of the only warnings the CLI silences; anything else
-still reaches the user."""
 
 
 def preset_help(registry: dict) -> str:
@@ -53,19 +45,16 @@ def quiet_libraries() -> None:
     """Silence import-time chatter of optional libraries (torchao's missing CUDA extensions,
     deepspeed's accelerator notice, transformers' progress bars) and stay offline: every model
     this tool loads is a local directory."""
-    import logging
     import os
-    import warnings
+
+    from mismatch.runtime import quiet_library_logs
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for name in ("torchao", "torch.utils._pytree", "DeepSpeed", "deepspeed", "modelopt"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    for message, category, module in _QUIETED_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    quiet_library_logs()
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -78,10 +67,49 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     raise typer.Exit(code)
 
 
+class LineProgress:
+    """Progress as plain lines on stderr where it is not a terminal (a CI log, a file): a label's
+    first call, then at most one line every `every` seconds, then its end. A bar there would
+    print nothing for minutes (rich draws no live display off a terminal) and a blank line."""
+
+    def __init__(self, every: float = 30.0, clock=None, write=None):
+        import sys
+        import time
+
+        self.every = every
+        self.clock = clock or time.monotonic
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.seen: dict[str, list[float]] = {}  # label → [started, last printed]
+
+    def __call__(self, label: str, done: int, total: int | None, detail: str = "") -> None:
+        now = self.clock()
+        times = self.seen.get(label)
+        finished = total is not None and done >= total
+        if times is None:
+            times = self.seen[label] = [now, now]
+        elif times[1] == float("inf") or not (finished or now - times[1] >= self.every):
+            return  # finished already, or printed less than `every` seconds ago
+        line = f"mismatch: {label}: {done}/{total if total is not None else '?'}"
+        line += " done" if finished else ""
+        if now > times[0]:
+            line += f" ({now - times[0]:.0f} s)"
+        self.write(line + (f" {detail}" if detail else ""))
+        times[1] = float("inf") if finished else now
+
+
+def _terminal() -> bool:
+    import sys
+
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
 def run_with_bars(fn, *, quiet: bool):
-    """fn(progress) with one progress bar per label on stderr (none when quiet)."""
+    """fn(progress) with one progress bar per label on stderr (none when quiet); plain lines
+    where stderr is not a terminal."""
     if quiet:
         return fn(None)
+    if not _terminal():
+        return fn(LineProgress())
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -100,10 +128,13 @@ def run_with_bars(fn, *, quiet: bool):
 
 def run_with_state_bar(fn, *, quiet: bool, label: str, total, completed, describe):
     """fn(progress) with a bar on stderr, opened at the first progress call (so that an error
-    before it — a bad checkpoint, say — stays one line). total, completed, describe: of the
-    state passed to progress."""
+    before it — a bad checkpoint, say — stays one line); plain lines where stderr is not a
+    terminal. total, completed, describe: of the state passed to progress."""
     if quiet:
         return fn(None)
+    if not _terminal():
+        lines = LineProgress()
+        return fn(lambda state: lines(label, completed(state), total(state), describe(state)))
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 

@@ -66,10 +66,11 @@ def _die_with_parent() -> None:
 
 
 def _main(conn, index: int, threads: int, tied: bool) -> None:
-    from ..runtime import bound_kernel_caches, torch_threads, tune_allocator
+    from ..runtime import bound_kernel_caches, quiet_library_logs, torch_threads, tune_allocator
 
     if tied:
         _die_with_parent()
+    quiet_library_logs()
     tune_allocator()
     bound_kernel_caches()
     with torch_threads(threads):
