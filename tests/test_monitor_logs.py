@@ -107,6 +107,14 @@ def test_tensorboard_folder_of_a_verl_run(tmp_path):
     res = _monitor(stable, "--format", "verl", "--json")
     alerts, summary = _json_out(res)
     assert res.returncode == 0 and alerts == [] and summary["records"] == 200, res.stderr
+    # a known-good TensorBoard run as --baseline: the same verdicts as the JSON-lines baseline
+    stable_lines = _as_verl_jsonl(tmp_path / "stable.jsonl", traces.synthetic_trace("stable", 3),
+                                  cast=_f32)
+    judged = [_json_out(_monitor(run, "--format", "verl", "--json", "--baseline", base))
+              for base in (stable, stable_lines)]
+    assert judged[0] == judged[1] and judged[0][0], judged
+    res = _monitor(run, "--format", "verl", "--baseline", tmp_path / "nothing")
+    assert res.returncode == 2 and res.stderr.startswith("mismatch: error: --baseline ")
     res = _monitor(tmp_path / "tensorboard_log" / "proj", "--format", "verl")  # the project
     assert res.returncode == 2 and "runs under it: exp" in res.stderr
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("mismatch: error: ")

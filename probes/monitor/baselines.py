@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from mismatch.probes.monitor.follow import read_records, reads_state
+from mismatch.probes.monitor.follow import read_records, resolve_log
 from mismatch.probes.monitor.formats import Adapter, RecordReader
 from mismatch.probes.monitor.rules import MonitorConfig
 from mismatch.probes.monitor.state import CollapseMonitor
@@ -45,8 +45,10 @@ def baselines_from(records: Iterable[Mapping[str, Any]],
 def baselines_from_log(path: Path, adapter: Adapter) -> dict[str, float]:
     """`baselines_from` over the records of a known-good run's log (read with `adapter`); a
     one-line ValueError when the log is missing or too short for a baseline."""
-    if not (path.is_file() or reads_state(path, adapter)):
-        raise ValueError(f"--baseline {path}: no such file; pass a finished run's metrics log")
+    try:  # any log the monitor reads: lines, trainer_state.json, TensorBoard, W&B, a run folder
+        resolve_log(path, adapter)
+    except ValueError as exc:
+        raise ValueError(f"--baseline {exc}; pass a finished run's metrics log") from None
     records = list(read_records(path, RecordReader(adapter), follow=False))
     found = baselines_from(records)
     if not found:
