@@ -123,3 +123,23 @@ def test_nonfinite_tokens_on_consecutive_steps_and_a_clean_run():
     clean = CollapseMonitor()
     assert [a for s in range(50) for a in clean.update({"step": s, "nonfinite_tokens": 0})] == []
     assert clean.values()["nonfinite_tokens"] == 0
+
+
+def test_the_command_line_reads_the_staleness_so_the_control_gets_its_probe_floor():
+    """`mismatch monitor metrics.jsonl` (the native format) passes the staleness fields on, so a
+    run's same-weights first step is its probe there too: the on-policy control stays quiet."""
+    import json
+    import subprocess
+    import sys
+
+    from mismatch.probes.monitor.formats import get_adapter
+
+    log = RUNS / "L0-sync-sc_mis-s0" / "metrics.jsonl"
+    first = json.loads(log.read_text().splitlines()[0])
+    record = get_adapter("native").record(first)
+    assert record["staleness_max"] == 0 and record["kl"] == first["kl"]
+    proc = subprocess.run([sys.executable, "-m", "mismatch.cli", "monitor", str(log), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    alerts = [json.loads(x) for x in proc.stdout.splitlines()[:-1]]
+    assert [a for a in alerts if a["severity"] == "critical"] == [], alerts

@@ -112,8 +112,10 @@ class Adapter:
                     notes["kl_squared" if signal == "kl" else "squared"] += 1
                 out[signal] = value
                 break
-        if "episodes" in flat:
-            out["episodes"] = flat["episodes"]
+        for passed in ("episodes", "staleness_max", "staleness_mean"):
+            # staleness: a first record at staleness 0 is the probe of the KL's floor (state.py)
+            if passed in flat:
+                out[passed] = flat[passed]
         return out
 
 
