@@ -132,7 +132,7 @@ def test_ctrl_c_says_where_the_run_stopped_and_a_rerun_starts_it_over(tmp_path):
 
     out = tmp_path / "run"
     base = ["train", "--preset", "smoke", "--out", str(out), "--quiet", "--sampler-processes",
-            "0"]
+            "0", "--n-prompts", "2", "--samples", "4"]
     args = base + ["--steps", "20", "--checkpoint-every", "10"]
     proc = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

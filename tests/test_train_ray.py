@@ -199,7 +199,7 @@ def test_smoke_run_on_ray_killed_and_resumed(tmp_path):
         del env[key]
     outs = {b: tmp_path / b for b in ("local", "ray")}
     cmd = [sys.executable, "-m", "mismatch.cli", "train", "--preset", "smoke", "--steps", "4",
-           "--quiet", "--out"]
+           "--n-prompts", "2", "--samples", "4", "--quiet", "--out"]
     local = subprocess.run(cmd + [str(outs["local"])], env=env, capture_output=True, text=True,
                            timeout=600)
     assert local.returncode == 0, local.stderr[-3000:]

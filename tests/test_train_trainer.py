@@ -228,7 +228,7 @@ def _kill_mid_run(args: list[str], out: Path, after_step: int) -> None:
 def test_kill_9_and_resume(tmp_path, mode):
     extra = {"sync": ["--sync"], "stale": ["--staleness", "2"], "async": []}[mode]
     args = ["train", "--preset", "smoke", "--steps", "5", "--checkpoint-every", "2", "--quiet",
-            "--eval-tasks", "0"] + extra
+            "--eval-tasks", "0", "--n-prompts", "2", "--samples", "4"] + extra
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     _kill_mid_run(args + ["--out", str(killed)], killed, after_step=3)
     assert read_metrics(killed / "metrics.jsonl")[-1]["step"] >= 3
@@ -456,3 +456,18 @@ def test_lockstep_trainer_takes_the_idle_samplers_threads(model, monkeypatch):
     trainer.threads = held + 1
     trainer.step(None)
     assert seen == [held + 1] and torch.get_num_threads() == held  # restored after the step
+
+
+def test_the_smoke_preset_learns_and_stays_quiet(tmp_path):
+    """Its groups' rewards differ, so the policy gets a gradient within 3 steps (the 2 × 4
+    preset shared one reward per group: grad_norm 0 every step), and no alert is critical."""
+    out = tmp_path / "smoke"
+    proc = _cli(["train", "--preset", "smoke", "--sync", "--quiet", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["n_episodes"] == 32 for r in records)
+    assert any(r["grad_norm"] > 0 for r in records), [r["grad_norm"] for r in records]
+    alerts = [json.loads(x) for x in (out / "alerts.jsonl").read_text().splitlines()] \
+        if (out / "alerts.jsonl").exists() else []
+    assert [a for a in alerts if a["severity"] == "critical"] == []

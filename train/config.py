@@ -179,8 +179,11 @@ def mixed() -> TrainConfig:
 
 def smoke() -> TrainConfig:
     """A few small steps on the mixed fleet: every code path (quantized groups, calibration,
-    checkpoints, the monitor) in well under a minute on 2 cores."""
-    return TrainConfig(fleet="mixed", steps=3, prompts_per_step=2, samples_per_prompt=4,
+    checkpoints, the monitor) in under a minute on 2 cores. 4 prompts × 8 episodes: groups of
+    8 whose rewards differ, so the policy moves (2 × 4 shared one reward per group: gradient 0),
+    and each of the fleet's groups serves a few episodes a step, so the step's KL and reward are
+    steady enough that a 20-step run raises no critical alert."""
+    return TrainConfig(fleet="mixed", steps=3, prompts_per_step=4, samples_per_prompt=8,
                        max_turns=2, max_new_tokens=48, candidates=32, checkpoint_every=2)
 
 
