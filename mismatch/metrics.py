@@ -54,6 +54,7 @@ __all__ = [
 MIS_LOW, MIS_HIGH = 0.5, 5.0  # the IcePop / study MIS range for π/μ (NUMERICS.md §5)
 _MAX_LOG_RATIO = 20.0  # keeps exp(r) finite in float32 for pathological tokens (e^20 ≈ 4.9e8)
 _INF = float("inf")
+_NAN = float("nan")
 
 
 def _check(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
@@ -67,6 +68,62 @@ def log_ratio(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) ->
     """[B, T] → r = log π − log μ in float64 (the inputs are float32 log-probs; float64 keeps
     the difference of two nearly equal numbers exact)."""
     return trainer_logprobs.double() - sampler_logprobs.double()
+
+
+# ---- the CPU path --------------------------------------------------------------------------
+# On CPU tensors the figures are computed by numpy on views of the tensors' memory. torch's eager
+# CPU kernels allocate a fresh [B, T] temporary per operation, and at 64 × 4096 float64 the page
+# faults of those allocations cost more than the arithmetic; numpy's loops, masked reductions
+# (boolean compress, then work on the n counted tokens only) and vectorized sort
+# (numpy/numpy@v2.0.0 numpy/_core/src/npysort/x86_simd_qsort.dispatch.cpp) make each figure 2–6×
+# cheaper here (scripts/bench_metrics.py). Same figures to float64 rounding (sums in another
+# order, another libm's exp/expm1), quantiles bit for bit; tests/test_metrics.py runs both paths
+# against each other. Other devices keep the torch path.
+_NUMPY_ON_CPU = True
+
+
+def _host(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors' figures are computed with numpy (all of them on the CPU)."""
+    return _NUMPY_ON_CPU and all(t.device.type == "cpu" for t in tensors)
+
+
+def _ndarray(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as an ndarray sharing its memory (detached); bfloat16 and float16
+    are widened to float32 first, exactly."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
+    return x.numpy(force=True)
+
+
+def _mask_ndarray(mask: torch.Tensor) -> np.ndarray:
+    """mask != 0 as a bool ndarray (the tensor's own memory when it is bool already)."""
+    return _ndarray(mask) if mask.dtype == torch.bool else _ndarray(mask) != 0
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """isfinite(x) as a bool tensor: numpy's one pass on the CPU, `|x| < inf` elsewhere (torch's
+    isfinite takes three)."""
+    if _host(x):
+        return torch.from_numpy(np.isfinite(_ndarray(x)))
+    return x.abs() < _INF
+
+
+def _f64(x) -> torch.Tensor:
+    return torch.tensor(float(x), dtype=torch.float64)
+
+
+@np.errstate(all="ignore")  # inf − inf at a NaN / ±inf log-prob: left out through `counted`
+def _tokens_np(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+               mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The CPU path's _counted: (r, counted, m) as ndarrays, r = log π − log μ in float64 (the
+    same bits as log_ratio) at every position, read only where `counted` (mask set and r finite;
+    positions outside it hold anything, NaN included)."""
+    _check(trainer_logprobs, sampler_logprobs, mask)
+    r = np.subtract(_ndarray(trainer_logprobs), _ndarray(sampler_logprobs), dtype=np.float64)
+    m = _mask_ndarray(mask)
+    counted = np.isfinite(r)
+    counted &= m
+    return r, counted, m
 
 
 def _counted(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
@@ -86,28 +143,56 @@ def _counted(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
     return torch.where(counted, r, 0.0), counted, m
 
 
-def masked_quantiles(x: torch.Tensor, valid: torch.Tensor, q: tuple[float, ...]) -> torch.Tensor:
-    """torch.quantile(x[valid], q) (linear interpolation), equal to it bit for bit, in O(n).
+def _order_stats(a: np.ndarray, ranks: list[int]) -> dict[int, float]:
+    """{k: the k-th smallest value of the 1-D ndarray `a`} for the 0-based ranks asked; `a` is
+    reordered in place. One rank (and its successor) by a selection, np.partition's introselect
+    in O(n), the successor being the least value above it; more ranks by one sort."""
+    ks = sorted(set(ranks))
+    if ks[-1] - ks[0] <= 1:
+        k = ks[0]
+        a.partition(k)
+        found = {k: a[k]}
+        if len(ks) == 2:
+            found[k + 1] = a[k + 1:].min()
+        return found
+    a.sort()
+    return {k: a[k] for k in ks}
 
-    torch.quantile sorts; only the order statistics at floor and ceil of q·(n − 1) matter, and
-    `kthvalue` (a selection) finds each in linear time. Uncounted entries become +inf, so they
-    rank after every counted one. The interpolation is torch.quantile's own: ranks q·(n − 1) in
-    float64, weights rank − floor(rank), `lerp` (aten/src/ATen/native/Sorting.cpp, quantile).
+
+def _quantiles_np(a: np.ndarray, q: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.quantile(torch.from_numpy(a), q) bit for bit: a 1-D ndarray of finite values
+    (reordered in place). The ranks, weights and `lerp` are torch.quantile's own, in `dtype`."""
+    n = a.size
+    if n == 0:
+        return torch.full((len(q),), _NAN, dtype=dtype)
+    ranks = torch.tensor(q, dtype=dtype) * (n - 1)
+    below, above = ranks.long(), ranks.ceil().long()
+    at = _order_stats(a, below.tolist() + above.tolist())
+    lo = torch.tensor([at[k] for k in below.tolist()], dtype=dtype)
+    hi = torch.tensor([at[k] for k in above.tolist()], dtype=dtype)
+    return torch.lerp(lo, hi, ranks - below)
+
+
+def masked_quantiles(x: torch.Tensor, valid: torch.Tensor, q: tuple[float, ...]) -> torch.Tensor:
+    """torch.quantile(x[valid], q) (linear interpolation), equal to it bit for bit, faster.
+
+    torch.quantile sorts with torch.sort (a stable sort carrying indices: ~20× numpy's on CPU);
+    only the order statistics at floor and ceil of q·(n − 1) matter, and they are the same
+    whatever finds them. On CPU numpy finds them in the n valid values (a selection for one
+    rank and its successor, numpy's vectorized sort for more); elsewhere torch.sort sorts, the
+    uncounted entries made +inf so that they rank after every counted one. The interpolation is
+    torch.quantile's own: ranks q·(n − 1) in x's dtype, weights rank − floor(rank), `lerp`
+    (pytorch/pytorch@v2.5.0 aten/src/ATen/native/Sorting.cpp, quantile_compute).
     x: finite where `valid`. Returns [len(q)] of x's dtype (NaN when nothing is valid)."""
+    if _host(x, valid):
+        return _quantiles_np(_ndarray(x)[_mask_ndarray(valid)], q, x.dtype)
     n = int(valid.sum())
     if n == 0:
         return torch.full((len(q),), float("nan"), dtype=x.dtype, device=x.device)
-    flat = torch.where(valid, x, _INF).reshape(-1)
-    ranks = [p * (n - 1) for p in q]
-    below = [int(r) for r in ranks]
-    above = [math.ceil(r) for r in ranks]
-    found: dict[int, torch.Tensor] = {}
-    for i in below + above:
-        if i not in found:
-            found[i] = flat.kthvalue(i + 1).values
-    weights = torch.tensor([r - b for r, b in zip(ranks, below)], dtype=x.dtype, device=x.device)
-    return torch.lerp(torch.stack([found[i] for i in below]),
-                      torch.stack([found[i] for i in above]), weights)
+    ordered = torch.where(valid, x.detach(), _INF).reshape(-1).sort().values
+    ranks = torch.tensor(q, dtype=x.dtype, device=x.device) * (n - 1)   # in x's dtype
+    below = ranks.long()
+    return torch.lerp(ordered[below], ordered[ranks.ceil().long()], ranks - below)
 
 
 def k_estimators(r: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -119,15 +204,37 @@ def k_estimators(r: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
             "kl_k3": (torch.expm1(r) - r).sum() / n}
 
 
+def _clamped_np(rr: np.ndarray) -> np.ndarray:
+    """The counted log-ratios (a fresh 1-D ndarray) clamped to ±20, in place."""
+    return np.clip(rr, -_MAX_LOG_RATIO, _MAX_LOG_RATIO, out=rr)
+
+
+def _k_np(rc: np.ndarray, keys=("kl_k1", "kl_k2", "kl_k3")) -> dict[str, torch.Tensor]:
+    """k_estimators over the counted tokens' clamped log-ratios `rc` (1-D ndarray)."""
+    n = max(rc.size, 1)
+    out = {}
+    if "kl_k1" in keys:
+        out["kl_k1"] = _f64(-rc.sum() / n)
+    if "kl_k2" in keys:
+        out["kl_k2"] = _f64(np.dot(rc, rc) * 0.5 / n)
+    if "kl_k3" in keys:
+        k3 = np.expm1(rc)
+        k3 -= rc
+        out["kl_k3"] = _f64(k3.sum() / n)
+    return out
+
+
 def kl_estimators(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                   mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Means of k1, k2, k3 over the counted tokens (mask set, both log-probs finite). Inputs
     [B, T]; outputs 0-dim float64 (0 when no token counts)."""
+    if _host(trainer_logprobs, sampler_logprobs, mask):
+        r, counted, _ = _tokens_np(trainer_logprobs, sampler_logprobs, mask)
+        return _k_np(_clamped_np(r[counted]))
     r, counted, _ = _counted(trainer_logprobs, sampler_logprobs, mask)
     return k_estimators(r, counted.sum())
 
 
-_NAN = float("nan")
 _RATIO_KEYS = ("ratio_mean", "ratio_p01", "ratio_p50", "ratio_p99", "mis_masked_fraction", "ess")
 _DIFF_KEYS = ("abs_logprob_diff_mean", "abs_logprob_diff_p99", "abs_logprob_diff_max",
               "abs_prob_diff_max", "token_multiplicative_error")
@@ -149,11 +256,33 @@ def _ratio_stats(r, counted, n: int, low: float, high: float) -> dict[str, torch
             "mis_masked_fraction": outside / n, "ess": s1 * s1 / (n * s2)}
 
 
+def _outside_np(w: np.ndarray, low: float, high: float) -> int:
+    out = w < low
+    out |= w > high
+    return int(np.count_nonzero(out))
+
+
+def _ratio_np(rc: np.ndarray, low: float, high: float) -> dict[str, torch.Tensor]:
+    """_ratio_stats over the counted tokens' clamped log-ratios `rc` (1-D ndarray)."""
+    n = rc.size
+    if n == 0:
+        return _nans(_RATIO_KEYS)
+    w = np.exp(rc)
+    s1, s2 = float(w.sum()), float(np.dot(w, w))
+    outside = _outside_np(w, low, high)
+    q = _quantiles_np(w, (0.01, 0.5, 0.99), torch.float64)                 # reorders w
+    return {"ratio_mean": _f64(s1 / n), "ratio_p01": q[0], "ratio_p50": q[1], "ratio_p99": q[2],
+            "mis_masked_fraction": _f64(outside / n), "ess": _f64(s1 * s1 / (n * s2))}
+
+
 def ratio_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                 mask: torch.Tensor, low: float = MIS_LOW, high: float = MIS_HIGH
                 ) -> dict[str, torch.Tensor]:
     """Importance ratio w = π/μ over the counted tokens: mean, p01/p50/p99, share outside
     [low, high] (MIS-masked fraction), normalized effective sample size."""
+    if _host(trainer_logprobs, sampler_logprobs, mask):
+        r, counted, _ = _tokens_np(trainer_logprobs, sampler_logprobs, mask)
+        return _ratio_np(_clamped_np(r[counted]), low, high)
     r, counted, _ = _counted(trainer_logprobs, sampler_logprobs, mask)
     return _ratio_stats(r, counted, int(counted.sum()), low, high)
 
@@ -171,10 +300,32 @@ def _diff_stats(r, counted, n: int, trainer_logprobs, sampler_logprobs):
             "abs_prob_diff_max": torch.where(counted, dp, 0.0).max()}
 
 
+def _diff_np(rr: np.ndarray, t: np.ndarray, s: np.ndarray) -> dict[str, torch.Tensor]:
+    """_diff_stats over the counted tokens: their log-ratios `rr` and log-probs `t`, `s` (1-D)."""
+    n = rr.size
+    if n == 0:
+        return _nans(_DIFF_KEYS)
+    d = np.abs(rr)
+    mean, top = float(d.sum()), float(d.max())
+    mult = np.minimum(d, _MAX_LOG_RATIO)
+    mult = float(np.exp(mult, out=mult).sum())
+    dp = np.exp(t, dtype=np.float64)
+    dp -= np.exp(s, dtype=np.float64)
+    return {"abs_logprob_diff_mean": _f64(mean / n),
+            "token_multiplicative_error": _f64(mult / n),
+            "abs_logprob_diff_p99": _quantiles_np(d, (0.99,), torch.float64)[0],  # reorders d
+            "abs_logprob_diff_max": _f64(top),
+            "abs_prob_diff_max": _f64(np.abs(dp, out=dp).max())}
+
+
 def logprob_diff_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                        mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """|Δ log p| mean / p99 / max, |Δ p| max, and the token multiplicative error mean e^|Δ log p|
     (the figure one study deems acceptable at 1.03–1.05, NUMERICS.md §3) over counted tokens."""
+    if _host(trainer_logprobs, sampler_logprobs, mask):
+        r, counted, _ = _tokens_np(trainer_logprobs, sampler_logprobs, mask)
+        return _diff_np(r[counted], _ndarray(trainer_logprobs)[counted],
+                        _ndarray(sampler_logprobs)[counted])
     r, counted, _ = _counted(trainer_logprobs, sampler_logprobs, mask)
     return _diff_stats(r, counted, int(counted.sum()), trainer_logprobs, sampler_logprobs)
 
@@ -183,6 +334,13 @@ def per_sequence(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                  mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per sequence [B]: sum of r over its counted tokens (the sequence-level log importance
     ratio) and the geometric mean ratio exp(mean r)."""
+    if _host(trainer_logprobs, sampler_logprobs, mask):
+        r, counted, _ = _tokens_np(trainer_logprobs, sampler_logprobs, mask)
+        np.copyto(r, 0.0, where=~counted)
+        s = np.asarray(r.sum(-1))
+        per_n = np.maximum(np.count_nonzero(counted, axis=-1), 1)
+        return {"seq_log_ratio_sum": torch.from_numpy(s),
+                "seq_ratio_geomean": torch.from_numpy(np.asarray(np.exp(s / per_n)))}
     r, counted, _ = _counted(trainer_logprobs, sampler_logprobs, mask)
     s = r.sum(-1)
     return {"seq_log_ratio_sum": s, "seq_ratio_geomean": torch.exp(s / counted.sum(-1)
@@ -195,7 +353,7 @@ def nonfinite_tokens(mask: torch.Tensor, *logprobs: torch.Tensor) -> torch.Tenso
     m = mask if mask.dtype == torch.bool else mask != 0
     bad = torch.zeros_like(m)
     for lp in logprobs:
-        bad |= ~(lp.abs() < _INF)
+        bad |= ~_finite(lp)
     return (m & bad).sum()
 
 
@@ -262,6 +420,17 @@ def divergence_summary(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
     """All token-level figures in one dict of 0-dim float64 tensors: `tokens` (mask set),
     `nonfinite_tokens` (mask set but a log-prob NaN or ±inf: left out of every figure and
     counted here, never dropped silently) and the figures over the counted rest."""
+    if _host(trainer_logprobs, sampler_logprobs, mask):
+        r, counted, m = _tokens_np(trainer_logprobs, sampler_logprobs, mask)
+        tokens, n = int(np.count_nonzero(m)), int(np.count_nonzero(counted))
+        out = {"tokens": _f64(tokens), "nonfinite_tokens": _f64(tokens - n)}
+        rr = r[counted]
+        rc = _clamped_np(rr.copy())
+        out.update(_k_np(rc))
+        out.update(_ratio_np(rc, MIS_LOW, MIS_HIGH))
+        out.update(_diff_np(rr, _ndarray(trainer_logprobs)[counted],
+                            _ndarray(sampler_logprobs)[counted]))
+        return out
     r, counted, m = _counted(trainer_logprobs, sampler_logprobs, mask)
     n = counted.sum()
     tokens = m.sum()

@@ -12,6 +12,7 @@ from mismatch.metrics import (
     exact_kl,
     kl_estimators,
     logprob_diff_stats,
+    masked_quantiles,
     per_sequence,
     ratio_stats,
     top1_agreement,
@@ -152,3 +153,22 @@ def test_token_multiplicative_error_is_mean_exp_abs_diff():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     got = float(logprob_diff_stats(t, s, mask)["token_multiplicative_error"])
     assert got == pytest.approx((math.exp(0.1) + math.exp(0.2)) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_masked_quantiles_equal_torch_quantile_bit_for_bit(seed):
+    """The figures' quantiles (ratio p01/p50/p99, |Δ log p| p99, the loss's p05/p50/p95) are
+    torch.quantile's values exactly: sizes from 1 to ~6000, ties, float32 and float64."""
+    g = torch.Generator().manual_seed(seed)
+    n = [1, 2, 3, 100, 101][seed] if seed < 5 else int(torch.randint(2, 6000, (1,), generator=g))
+    dtype = torch.float64 if seed % 2 else torch.float32
+    x = torch.randn(2, n, generator=g, dtype=dtype).exp()
+    if seed % 3 == 0:
+        x = x.round(decimals=1)  # many ties
+    valid = torch.rand(2, n, generator=g) > 0.3
+    valid[0, 0] = True
+    for q in ((0.01, 0.5, 0.99), (0.05, 0.5, 0.95), (0.99,), (0.0, 1.0)):
+        ref = torch.quantile(x[valid], torch.tensor(q, dtype=dtype))
+        assert torch.equal(masked_quantiles(x, valid, q), ref), (n, q)
+    empty = masked_quantiles(x, torch.zeros_like(valid), (0.5,))
+    assert empty.shape == (1,) and torch.isnan(empty).all()

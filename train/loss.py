@@ -42,9 +42,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mismatch.metrics import MIS_HIGH, MIS_LOW, k_estimators, masked_quantiles
+from mismatch.metrics import (_clamped_np, _f64, _finite, _host, _k_np, _ndarray, _outside_np,
+                              _quantiles_np)
 
 __all__ = ["Arm", "ARMS", "arm_named", "policy_loss", "group_advantages", "renormalize_over_support",
            "sc_tail_ratio"]
@@ -236,11 +239,13 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
     _check(logp, sampler_logp, advantages, mask, arm, cand_logp, cand_sampler_logp, support_mask)
     dt = torch.promote_types(logp.dtype, torch.float32)
     m = mask.bool()
-    finite_mu = sampler_logp.abs() < _INF        # isfinite in one pass (torch's takes three)
-    finite_pi = logp.detach().abs() < _INF
+    host = _host(logp, sampler_logp, m)  # the metrics in numpy (mismatch.metrics, CPU path)
+    finite_mu = _finite(sampler_logp)
+    finite_pi = _finite(logp.detach())
     nonfinite = (m & ~(finite_mu & finite_pi)).sum()
     valid = m & finite_mu                                                     # (B, T)
-    slp = torch.where(valid, sampler_logp, 0).to(dt)
+    # read only where counted (r below): no masking needed
+    slp = sampler_logp.detach().to(dt)
     lp = logp.to(dt)
     metrics: dict[str, torch.Tensor] = {}
     if arm.centered or arm.top_p:
@@ -267,8 +272,18 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
     # the metrics' tokens: valid ones whose log π is finite too (a NaN log π stays in the loss,
     # which turns NaN and the step is skipped; it is counted in nonfinite_tokens)
     counted = valid & finite_pi
-    r = torch.where(counted, lp.detach().double() - slp.double(), 0.0)       # (B, T) float64
-    ratio = torch.exp(r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    # r = log π − log μ in float64, 0 where not counted; ratio = e^r (r clamped to ±20), 1 there
+    if host:
+        with np.errstate(all="ignore"):  # inf − inf off the counted tokens
+            r = np.subtract(_ndarray(lp), _ndarray(slp), dtype=np.float64)
+        counted_np = _ndarray(counted)
+        r_counted = r[counted_np]
+        if arm.weight != "one":
+            np.copyto(r, 0.0, where=~counted_np)
+            ratio = torch.from_numpy(np.exp(np.clip(r, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)))
+    else:
+        r = torch.where(counted, lp.detach().double() - slp.double(), 0.0)   # (B, T) float64
+        ratio = torch.exp(r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     objective = lp if arm.weight == "one" else weight(ratio).to(dt) * lp    # w = 1: the same bits
     if arm.centered:
         pi = torch.where(cand, clp.detach().double().exp(), 0)               # (B, T, K)
@@ -287,12 +302,19 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
     n_valid = valid.sum()
     loss = -(torch.where(valid, adv * objective, 0)).sum() / n_valid.clamp_min(1).to(dt)
 
-    n_counted = counted.sum()
-    kl = k_estimators(r, n_counted)
-    outside = ((ratio < arm.mis_low) | (ratio > arm.mis_high)) & counted
-    q = masked_quantiles(ratio, counted, _QUANTILES)  # torch.quantile's values, in O(n)
+    if host:  # the same figures over the counted tokens alone
+        rc = _clamped_np(r_counted)
+        kl = _k_np(rc, ("kl_k1", "kl_k3"))
+        w = np.exp(rc)
+        outside = _f64(_outside_np(w, arm.mis_low, arm.mis_high) / max(w.size, 1))
+        q = _quantiles_np(w, _QUANTILES, torch.float64)   # torch.quantile's values, reorders w
+    else:
+        n_counted = counted.sum()
+        kl = k_estimators(r, n_counted)
+        outside = ((ratio < arm.mis_low) | (ratio > arm.mis_high)) & counted
+        outside = outside.sum().double() / n_counted.clamp_min(1)
+        q = masked_quantiles(ratio, counted, _QUANTILES)  # torch.quantile's values
     metrics.update(loss=loss.detach(), valid_tokens=n_valid, nonfinite_tokens=nonfinite,
-                   kl_k1=kl["kl_k1"], kl_k3=kl["kl_k3"],
-                   mis_masked_fraction=outside.sum().double() / n_counted.clamp_min(1),
+                   kl_k1=kl["kl_k1"], kl_k3=kl["kl_k3"], mis_masked_fraction=outside,
                    ratio_p05=q[0], ratio_p50=q[1], ratio_p95=q[2])
     return loss, metrics
