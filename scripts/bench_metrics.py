@@ -98,7 +98,7 @@ def rows(d: dict) -> list[tuple[str, str, object, object, object]]:
             lp = t.clone().requires_grad_()
             loss, metrics = policy_loss(lp, s, adv, m, arm=ARMS[arm])
             loss.backward()
-            return float(loss), _floats(metrics)
+            return float(loss.detach()), _floats(metrics)
         return run
 
     def verl_loss(cfg, fn=ca.compute_policy_loss_bypass_mode):
