@@ -16,6 +16,8 @@ from mismatch.cli.main import app
 SNAPSHOT = {
     "formats": [],
     "profiles": [],
+    "plan": ["--billing", "--cache", "--force", "--json", "--kl", "--model", "--n-prompts",
+             "--no-probe", "--out", "--seed"],
     "monitor": ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json",
                 "--kl-floor", "--map", "--max-idle", "--poll-interval", "--prometheus-port",
                 "--webhook"],

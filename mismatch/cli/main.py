@@ -55,6 +55,7 @@ def _register() -> None:
     """Every command, in the order `mismatch --help` lists them. Each module imports only typer
     at the top, so registering them all keeps `--help` instant."""
     from mismatch.cli.monitor import monitor_command
+    from mismatch.cli.plan import plan_command
     from mismatch.cli.probe import probe_command
     from mismatch.cli.quantize import formats_command, profiles_command, quantize_command
     from mismatch.cli.qualify import qualify_command
@@ -66,7 +67,7 @@ def _register() -> None:
                           ("profiles", profiles_command), ("probe", probe_command),
                           ("qualify", qualify_command), ("monitor", monitor_command),
                           ("train", train_command), ("report", report_command),
-                          ("study", study_command)):
+                          ("study", study_command), ("plan", plan_command)):
         app.command(name)(command)
     app.add_typer(zoo_app, name="zoo")
 

@@ -1,0 +1,83 @@
+"""`mismatch plan FLEET.toml`: the cheapest sampler fleet within a mismatch budget.
+
+Exit codes: 0 a plan, 1 no fleet meets the budgets (the binding constraint is named), 2 bad input
+(malformed file, unknown GPU or format, a negative price, a GPU with no default price).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from mismatch.cli.common import fail
+
+
+def plan_command(
+    fleet: Path = typer.Argument(..., help="Fleet file (TOML): [update], [budget], [[group]] "
+                                 "(docs/plan.md)."),
+    billing: str | None = typer.Option(None, "--billing", help="serverless or reserved "
+                                       "(default: the file's budget.billing)."),
+    kl: float | None = typer.Option(None, "--kl", help="KL budget, overriding the file's."),
+    model: Path | None = typer.Option(None, "--model", help="Hugging Face model directory whose "
+                                      "throughput and probes fill figures the file leaves out "
+                                      "(default: the embedded model)."),
+    n_prompts: int = typer.Option(128, "--n-prompts", min=1, help="Prompts per group probe."),
+    seed: int = typer.Option(0, "--seed", help="Probe seed."),
+    no_probe: bool = typer.Option(False, "--no-probe", help="Refuse to probe: every group must "
+                                  "give kl and masked."),
+    cache: Path | None = typer.Option(None, "--cache", help="Probe cache folder (default: "
+                                      "$XDG_CACHE_HOME/mismatch/plan-probes)."),
+    out: Path | None = typer.Option(None, "--out", help="Write plan.json, fleet.toml, "
+                                    "frontier.png and report.md here (default: "
+                                    "runs/plan-<file name>). A folder holding anything but an "
+                                    "earlier plan is refused."),
+    force: bool = typer.Option(False, "--force", help="Replace --out whatever it holds."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object to stdout."),
+) -> None:
+    """Plan the cheapest sampler fleet within a mismatch budget: exit 0 plan, 1 infeasible, 2 bad
+    input."""
+    import json
+
+    from mismatch.io import check_output_dir
+    from mismatch.plan import PlanInfeasible, PlanInputError
+    from mismatch.plan.spec import BILLINGS, load_spec
+
+    command = "mismatch " + " ".join(sys.argv[1:]) if sys.argv[1:] else "mismatch plan"
+    try:
+        if billing is not None and billing not in BILLINGS:
+            raise PlanInputError(f"--billing {billing!r}: choose serverless or reserved")
+        if kl is not None and not kl > 0:
+            raise PlanInputError(f"--kl must be > 0, got {kl}")
+        if model is not None and not Path(model).is_dir():
+            raise PlanInputError(f"--model {model} is not a directory")
+        spec = load_spec(fleet)
+        target = check_output_dir(out or Path("runs") / f"plan-{fleet.stem}", "plan",
+                                  force=force)
+        from mismatch.app.plan import default_cache_dir, fill_figures, plan_fleet
+
+        if spec.groups and any(g.kl is None or g.masked is None for g in spec.groups) \
+                and not no_probe:
+            from mismatch.cli.common import quiet_libraries
+
+            quiet_libraries()
+        log = (lambda line: None) if as_json else (lambda line: typer.echo(line, err=True))
+        spec = fill_figures(spec, model, n_prompts=n_prompts, seed=seed,
+                            cache=cache or default_cache_dir(), probe=not no_probe, log=log)
+    except (PlanInputError, ValueError) as exc:
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    try:
+        result = plan_fleet(spec, billing, kl)
+    except PlanInfeasible as exc:
+        fail(f"no fleet meets the budgets: {exc}", code=1)
+    except PlanInputError as exc:
+        fail(str(exc).splitlines()[0])
+    from mismatch.app.plan import render_table, write_outputs
+
+    names = write_outputs(target, result, command)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), allow_nan=False))
+    else:
+        typer.echo(render_table(result))
+        typer.echo(f"wrote {target}/" + ", ".join(names))
