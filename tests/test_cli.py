@@ -36,7 +36,7 @@ SNAPSHOT = {
               "--lr", "--n-prompts", "--notes", "--out", "--policy-steps", "--preset", "--prompts", "--quiet", "--report", "--report-only",
               "--samples", "--seeds", "--staleness", "--steps", "--sync-arms", "--tasks"],
     "train": ["--address", "--backend", "--checkpoint-every", "--correction", "--eval-every",
-              "--eval-tasks", "--keep-checkpoints", "--lr", "--max-staleness", "--model",
+              "--eval-tasks", "--fleet", "--keep-checkpoints", "--lr", "--max-staleness", "--model",
               "--n-prompts", "--out",
               "--placement", "--preset",
               "--prompts", "--quiet", "--replicas", "--resume", "--sampler-processes", "--samples",

@@ -74,7 +74,7 @@ RECORD_KEYS = [
     "mis_masked_fraction", "sc_tail_ratio", "entropy", "grad_norm", "staleness_mean",
     "staleness_max", "staleness_tokens",
     "tokens_per_s", "response_length", "group_kl", "group_reward", "group_tokens_per_s",
-    "end_reasons", "loss", "ratio_p05", "ratio_p50", "ratio_p95", "n_episodes",
+    "group_tokens", "end_reasons", "loss", "ratio_p05", "ratio_p50", "ratio_p95", "n_episodes",
     "sampled_tokens", "units", "units_claimed", "stale_units_dropped", "step_seconds",
     "trainer_wait_seconds", "train_seconds", "trainer_idle_share", "head_mass_sampler",
     "support_mass_sampler", "support_mass_trainer", "queue_depth", "backend",

@@ -24,7 +24,8 @@ class TrainConfig:
     """Everything that defines a run (saved as out/config.json; a resume must match it)."""
 
     fleet: str = "mixed"
-    """Sampler fleet (mismatch.fleets.FLEETS): homogeneous, precision or mixed."""
+    """Sampler fleet (mismatch.fleets.FLEETS): homogeneous, precision or mixed; or a fleet file
+    (a path ending in .toml, as `mismatch plan` writes it: groups with their shares)."""
     correction: str = "sc+mis+topp"
     """Loss arm (train.loss.ARMS)."""
     steps: int = 200
@@ -85,9 +86,13 @@ class TrainConfig:
     --out DIR`; None: the embedded model)."""
 
     def __post_init__(self) -> None:
-        if self.fleet not in FLEET_PRESETS:
+        if self.fleet.lower().endswith(".toml"):
+            from .fleet import fleet_file
+
+            fleet_file(self.fleet)  # a fleet file that cannot be read fails here, in one line
+        elif self.fleet not in FLEET_PRESETS:
             raise ValueError(f"unknown fleet preset {self.fleet!r}; presets: "
-                             f"{', '.join(FLEET_PRESETS)}")
+                             f"{', '.join(FLEET_PRESETS)} (or a fleet file, FILE.toml)")
         if self.correction not in ARMS:
             raise ValueError(f"unknown correction {self.correction!r}; arms: {', '.join(ARMS)}")
         if self.tasks != "zoo":

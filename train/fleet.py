@@ -43,7 +43,7 @@ from fractions import Fraction
 from mismatch.fleets import FLEETS
 from mismatch.profiles import NumericsSpec
 
-__all__ = ["SamplerGroup", "fleet", "Router"]
+__all__ = ["SamplerGroup", "fleet", "fleet_file", "is_fleet_file", "Router"]
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,80 @@ class SamplerGroup:
     name: str
     spec: NumericsSpec
     share: float
+    price_per_hour: float | None = None
+    """$ per GPU-hour (a fleet file's groups; None for the presets)."""
+    tokens_per_s: float | None = None
+    """Sampled tokens/s per GPU of the real deployment (a fleet file's groups): with the price,
+    what a sampled token costs (`cost_per_token`)."""
+
+    @property
+    def cost_per_token(self) -> float | None:
+        """$ per sampled token on serverless billing (GPU-seconds of sampling), or None."""
+        if self.price_per_hour is None or not self.tokens_per_s:
+            return None
+        return self.price_per_hour / 3600.0 / self.tokens_per_s
+
+
+def is_fleet_file(name: str) -> bool:
+    """Whether a `--fleet` value names a fleet file (a path ending in .toml) rather than a
+    preset."""
+    return isinstance(name, str) and name.lower().endswith(".toml")
+
+
+def fleet_file(path: str) -> list[SamplerGroup]:
+    """The groups of a fleet file: `[[group]]` tables with gpu, dtype, kv_cache and share (what
+    `mismatch plan` writes as fleet.toml; price_per_hour and tokens_per_s optional). Raises
+    ValueError with one line."""
+    import tomllib
+    from pathlib import Path
+
+    from mismatch.profiles import resolve
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read fleet file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"fleet file {path} is not valid TOML: {exc}") from None
+    raw = data.get("group")
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"fleet file {path} has no [[group]] (write one with `mismatch plan`)")
+    groups = []
+    for i, g in enumerate(raw):
+        if not isinstance(g, dict) or not {"gpu", "dtype", "share"} <= set(g):
+            raise ValueError(f"fleet file {path}: group {i + 1} needs gpu, dtype and share")
+        spec = resolve(str(g["gpu"]), str(g["dtype"]), str(g.get("kv_cache", "bf16")))
+        name = str(g.get("name") or f"{spec.gpu}-{spec.dtype}")
+        try:
+            share = float(g["share"])
+            price = None if g.get("price_per_hour") is None else float(g["price_per_hour"])
+            rate = None if g.get("tokens_per_s") is None else float(g["tokens_per_s"])
+        except (TypeError, ValueError):
+            raise ValueError(f"fleet file {path}: group {name!r} has a value that is not a "
+                             f"number") from None
+        if not (math.isfinite(share) and share >= 0) or any(
+                v is not None and not (math.isfinite(v) and v > 0) for v in (price, rate)):
+            raise ValueError(f"fleet file {path}: group {name!r} needs share ≥ 0 and a "
+                             f"positive price_per_hour and tokens_per_s")
+        groups.append(SamplerGroup(name=name, spec=spec, share=share, price_per_hour=price,
+                                   tokens_per_s=rate))
+    total = sum(g.share for g in groups)
+    names = [g.name for g in groups]
+    if total <= 0 or len(set(names)) != len(names):
+        raise ValueError(f"fleet file {path}: needs distinct group names and a share > 0")
+    return [SamplerGroup(name=g.name, spec=g.spec, share=g.share / total,
+                         price_per_hour=g.price_per_hour, tokens_per_s=g.tokens_per_s)
+            for g in groups]
 
 
 def fleet(preset: str,
           shares: Mapping[str, float] | Iterable[tuple[str, float]] = ()) -> list[SamplerGroup]:
-    """The groups of `preset` ("homogeneous", "precision" or "mixed"), shares normalized to 1.
+    """The groups of `preset` ("homogeneous", "precision" or "mixed"), shares normalized to 1,
+    or of a fleet file (a path ending in .toml: `fleet_file`).
 
     `shares`: {group name: weight} or [(name, weight)]; for `mixed`, groups left out get 0."""
+    if is_fleet_file(preset):
+        return fleet_file(preset)
     preset_fleet = FLEETS.get(preset.lower() if isinstance(preset, str) else preset)
     if preset_fleet is None:
         raise ValueError(f"unknown fleet preset {preset!r}; presets: {', '.join(FLEETS)}")

@@ -165,6 +165,7 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
         write_json(eval_path, evaluation)
 
     groups = fleet(cfg.fleet)
+    cost_per_token = {g.name: g.cost_per_token for g in groups if g.cost_per_token is not None}
     monitor = CollapseMonitor(monitor_config)
     for rec in history:  # rebuild baselines and debouncing state from the kept log
         monitor.update(rec)
@@ -212,7 +213,7 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
                                     wall=wall, stale_dropped=stale_dropped, claimed=pipe.cursor,
                                     queue_depth=depth, backend=backend.name, faults=pipe.faults,
                                     resumed_discarded_units=discarded if first_resumed
-                                    else None).to_json()
+                                    else None, cost_per_token=cost_per_token).to_json()
                 mfile.write(json.dumps(rec) + "\n")
                 mfile.flush()
                 alerts = monitor.update(rec)  # also written to the alert file and the log

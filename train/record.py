@@ -20,7 +20,7 @@ from .batch import Batch, Unit
 __all__ = ["StepRecord"]
 
 _OPTIONAL = ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer",
-             "skipped_nonfinite_grad", "resumed_discarded_units")
+             "skipped_nonfinite_grad", "resumed_discarded_units", "sampling_cost_usd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,8 @@ class StepRecord:
     group_reward: dict[str, float]
     group_tokens_per_s: dict[str, float | None]
     """Per group: tokens sampled over the seconds its samplers spent generating them."""
+    group_tokens: dict[str, int]
+    """Per group: tokens its samplers sampled for this step's episodes."""
     end_reasons: dict[str, int]
     loss: float
     ratio_p05: float
@@ -94,12 +96,17 @@ class StepRecord:
     requeued_units: int
     resumed_discarded_units: int | None = None
     """On the first step after a resume: units claimed after the checkpoint, regenerated."""
+    sampling_cost_usd: float | None = None
+    """What sampling this step's tokens cost on the fleet's GPUs: Σ over groups of tokens ×
+    price per GPU-hour / (3600 × tokens/s per GPU), serverless billing. Only for a fleet file
+    whose every group gives its price and throughput (`mismatch plan`'s fleet.toml)."""
 
     @classmethod
     def of(cls, step: int, units: list[Unit], batch: Batch, m: dict[str, Any], *,
            waited: float, train_s: float, wall: float, stale_dropped: int, claimed: int,
            queue_depth: int, backend: str, faults: dict[str, int],
-           resumed_discarded_units: int | None = None) -> StepRecord:
+           resumed_discarded_units: int | None = None,
+           cost_per_token: dict[str, float] | None = None) -> StepRecord:
         """The record of a step from its units, batch and the trainer's metrics `m`."""
         eps = [ep for u in units for ep in u.episodes]
         ends = Counter(ep.end_reason for ep in eps)
@@ -131,6 +138,7 @@ class StepRecord:
             group_reward={g: sum(v) / len(v) for g, v in sorted(by_group.items())},
             group_tokens_per_s={g: tok / sec if sec > 0 else None
                                 for g, (tok, sec) in sorted(gen.items())},
+            group_tokens={g: int(tok) for g, (tok, _sec) in sorted(gen.items())},
             end_reasons=dict(sorted(ends.items())),
             loss=m["loss"],
             ratio_p05=m["ratio_p05"], ratio_p50=m["ratio_p50"], ratio_p95=m["ratio_p95"],
@@ -145,7 +153,9 @@ class StepRecord:
             skipped_nonfinite_grad=bool(m.get("skipped_nonfinite")),
             queue_depth=queue_depth, backend=backend,
             sampler_restarts=faults["sampler_restarts"], requeued_units=faults["requeued_units"],
-            resumed_discarded_units=resumed_discarded_units)
+            resumed_discarded_units=resumed_discarded_units,
+            sampling_cost_usd=None if not cost_per_token or set(gen) - set(cost_per_token)
+            else float(sum(tok * cost_per_token[g] for g, (tok, _s) in gen.items())))
 
     def to_json(self) -> dict[str, Any]:
         """The metrics.jsonl object: every field in order, the optional ones only when set."""

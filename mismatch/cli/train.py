@@ -23,11 +23,26 @@ from mismatch.cli.common import ARM_ALIASES, one_of, run_with_state_bar
 __all__ = ["train_command", "report_command"]
 
 
+def _fleet_path(path: Optional[Path]) -> Optional[str]:
+    """--fleet as an absolute path (saved in config.json, so a resume elsewhere finds it)."""
+    if path is None:
+        return None
+    if path.suffix.lower() != ".toml":
+        raise ValueError(f"--fleet {path}: expected a fleet file ending in .toml (written by "
+                         f"`mismatch plan`); fleet presets are chosen with --preset")
+    return str(path.resolve())
+
+
 def train_command(
     out: Path = typer.Option(..., "--out", help="Run directory (metrics.jsonl, alerts.jsonl, "
                              "checkpoints/, eval.json, final/)."),
     preset: str = typer.Option("mixed", "--preset", help="homogeneous | precision | mixed | "
                                "smoke (a few small steps on the mixed fleet, for CI)."),
+    fleet_file: Optional[Path] = typer.Option(None, "--fleet", help="Sample on this fleet "
+                                              "file instead of the preset's fleet (the "
+                                              "fleet.toml `mismatch plan` writes: groups and "
+                                              "shares; with prices, every step logs "
+                                              "sampling_cost_usd)."),
     correction: str = typer.Option("sc+mis+topp", "--correction", help="Loss arm: grpo, mis, "
                                    "icepop, tis, sc, sc+mis, sc+tis, grpo+topp (or topp), "
                                    "sc+mis+topp — the names `mismatch study --arms` takes."),
@@ -105,7 +120,8 @@ def train_command(
                             threads=threads, checkpoint_every=checkpoint_every,
                             keep_checkpoints=keep_checkpoints,
                             eval_tasks=eval_tasks, eval_every=eval_every, tasks=tasks,
-                            seed=seed, model=str(model) if model else None)
+                            seed=seed, model=str(model) if model else None,
+                            fleet=_fleet_path(fleet_file))
         check_out(out, resume, cfg)
         if cfg.model:
             from mismatch.zoo.loading import check_model_dir
