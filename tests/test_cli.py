@@ -16,8 +16,9 @@ from mismatch.cli.main import app
 SNAPSHOT = {
     "formats": [],
     "profiles": [],
-    "plan": ["--billing", "--cache", "--force", "--json", "--kl", "--model", "--n-prompts",
-             "--no-probe", "--out", "--seed"],
+    "plan": ["--billing", "--cache", "--cold-start", "--episode-tokens", "--force", "--json",
+             "--kl", "--model", "--n-prompts", "--no-probe", "--out", "--seed", "--sim-batch",
+             "--sim-hours", "--simulate"],
     "monitor": ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json",
                 "--kl-floor", "--map", "--max-idle", "--poll-interval", "--prometheus-port",
                 "--webhook"],

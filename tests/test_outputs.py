@@ -126,6 +126,14 @@ def test_an_out_under_a_file_or_on_the_working_dir_is_one_line_before_any_work(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["passwd"]
 
 
+def _ctrl_c_delivered() -> None:
+    """In the child: SIGINT's default action. A test suite started in the background by a
+    non-interactive shell (`./.ci/run &`) inherits SIGINT ignored, as POSIX shells set it for
+    background jobs, and Python keeps an ignored SIGINT ignored: the run would never see the
+    Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_says_where_the_run_stopped_and_a_rerun_starts_it_over(tmp_path):
     import shutil
@@ -135,7 +143,7 @@ def test_ctrl_c_says_where_the_run_stopped_and_a_rerun_starts_it_over(tmp_path):
             "0", "--n-prompts", "2", "--samples", "4"]
     args = base + ["--steps", "20", "--checkpoint-every", "10"]
     proc = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_ctrl_c_delivered)
     deadline = time.monotonic() + 300
     metrics = out / "metrics.jsonl"
     while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size):
@@ -158,7 +166,7 @@ def test_ctrl_c_says_where_the_run_stopped_and_a_rerun_starts_it_over(tmp_path):
         shutil.rmtree(out / "final")
     # with a checkpoint, the message names it and the command that continues the run
     proc = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_ctrl_c_delivered)
     ckpts = out / "checkpoints"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and not (

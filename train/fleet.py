@@ -77,7 +77,10 @@ def fleet_file(path: str) -> list[SamplerGroup]:
     """The groups of a fleet file: `[[group]]` tables with gpu, dtype, kv_cache and share (what
     `mismatch plan` writes as fleet.toml; price_per_hour and tokens_per_s optional). Raises
     ValueError with one line."""
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
     from pathlib import Path
 
     from mismatch.profiles import resolve

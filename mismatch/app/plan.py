@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from mismatch.plan.solve import (Plan, equal_capacity_plan, frontier, homogeneou
 from mismatch.plan.spec import PlanGroup, PlanSpec
 
 __all__ = ["PlanResult", "fill_figures", "plan_fleet", "render_table", "write_outputs",
-           "fleet_toml", "default_cache_dir"]
+           "fleet_toml", "default_cache_dir", "simulate_plan", "simulation_lines"]
 
 PROBE_VERSION = 1
 """Bumped when what the cached probe figures mean changes (invalidates the cache)."""
@@ -110,7 +111,7 @@ def fill_figures(spec: PlanSpec, model: Path | None = None, *, n_prompts: int = 
             from mismatch.plan.throughput import ModelShape, decode_throughput
 
             if shape is None:
-                shape = _shape(model, ModelShape)
+                shape = _shape(model, ModelShape, spec.served_config)
             kwargs = {} if spec.context is None else {"context": spec.context}
             est = decode_throughput(shape, g.gpu, g.dtype, g.kv_cache, **kwargs)
             g = g.with_("tokens_per_s", est.tokens_per_s, "throughput model")
@@ -128,9 +129,16 @@ def fill_figures(spec: PlanSpec, model: Path | None = None, *, n_prompts: int = 
     return spec.with_groups(groups)
 
 
-def _shape(model: Path | None, ModelShape):
+def _shape(model: Path | None, ModelShape, served_config: str | None = None):
+    """The throughput model's shape: the fleet file's served config, else --model's."""
     from mismatch.zoo.loading import default_model_dir
 
+    if served_config is not None:
+        try:
+            return ModelShape.from_config(json.loads(Path(served_config).read_text()))
+        except (OSError, ValueError, KeyError) as exc:
+            raise PlanInputError(f"cannot read the served model's config {served_config}: "
+                                 f"{exc}") from None
     d = Path(model) if model else default_model_dir()
     try:
         return ModelShape.from_dir(d)
@@ -147,9 +155,13 @@ class PlanResult:
     homogeneous: Plan | None
     equal: Plan | None
     frontier: list[tuple[float, float | None]]
+    simulation: object | None = None
+    """mismatch.plan.simulate.SimResult of the plan over a capacity trace (`--simulate`)."""
 
     def to_json(self) -> dict:
         out = self.plan.to_json()
+        if self.simulation is not None:
+            out["simulation"] = self.simulation.to_json()
 
         def side(other: Plan | None) -> dict | None:
             if other is None:
@@ -178,6 +190,60 @@ def plan_fleet(spec: PlanSpec, billing: str | None = None, kl_budget: float | No
                       equal=equal_capacity_plan(spec, billing),
                       frontier=frontier(spec, billing, frontier_points)
                       if frontier_points else [])
+
+
+def simulate_plan(result: PlanResult, trace: Path, *, hours: float = 2.0,
+                  cold_start_s: float = 120.0, episode_tokens: float = 1024.0, batch: int = 64,
+                  trainer_step_s: float | None = None, max_staleness: int | None = 4,
+                  seed: int = 0) -> PlanResult:
+    """The plan over a capacity trace (mismatch.plan.simulate): every group of the file, the
+    plan's GPUs where the trace says nothing, and on each change of capacity the planner run
+    again with the GPUs then available (the cheapest shares within the budgets; where no fleet
+    meets them, shares follow capacity). The trainer takes 3600 / R seconds an update unless
+    `trainer_step_s` is given. Samplers admit new episodes only `max_staleness` updates ahead
+    (AReaL's bound, mismatch.plan.simulate): a fleet with more GPUs than the pace needs then
+    idles instead of sampling tokens no update consumes."""
+    from dataclasses import replace
+
+    from mismatch.plan.simulate import simulate
+
+    spec, plan = result.spec, result.plan
+    by_name = {p.group.name: p for p in plan.parts}
+    gpus = {g.name: int(math.ceil(by_name[g.name].gpus - 1e-9)) for g in spec.groups}
+    kl_budget = plan.kl_budget
+
+    def replan(capacity: dict[str, int]) -> dict[str, float]:
+        groups = [replace(g, max_gpus=int(capacity.get(g.name, 0))) for g in spec.groups]
+        try:
+            again = solve_numbers(spec.with_groups(groups), plan.billing, kl_budget)
+            shares = {p.group.name: p.share for p in again.parts}
+        except PlanInfeasible:
+            shares = {g.name: capacity.get(g.name, 0) * g.tokens_per_s for g in spec.groups}
+        if sum(shares.values()) <= 0:
+            shares = {g.name: 1.0 for g in spec.groups}
+        return shares
+
+    sim = simulate(spec.groups, [episode_tokens], tokens_per_update=spec.tokens,
+                   trainer_step_s=trainer_step_s or 3600.0 / spec.updates_per_hour,
+                   duration_s=hours * 3600.0, trace=trace, gpus=gpus, cold_start_s=cold_start_s,
+                   batch=batch, replan=replan, max_staleness=max_staleness, seed=seed)
+    return replace(result, simulation=sim)
+
+
+def simulation_lines(sim) -> list[str]:
+    """The simulation in a few lines: pace, staleness, cost per update, utilisation."""
+    lines = [f"simulated {sim.duration_s / 3600:.3g} h: {len(sim.updates)} updates, "
+             f"{sim.updates_per_hour:.3g} per hour; staleness mean {sim.staleness_mean:.2f}, "
+             f"max {sim.staleness_max}"]
+    for billing in ("serverless", "reserved"):
+        costs = [c for _, c in sim.cost_per_update(billing)]
+        if costs:
+            lines.append(f"  $ per update, {billing}: mean {sum(costs) / len(costs):.4g}, "
+                         f"min {min(costs):.4g}, max {max(costs):.4g}")
+    used = [f"{g.name} {g.utilisation:.0%}" for g in sim.groups if g.held_gpu_s > 0]
+    if used:
+        lines.append("  sampler utilisation: " + ", ".join(used))
+    return lines
 
 
 def render_table(result: PlanResult) -> str:
@@ -275,10 +341,18 @@ def write_outputs(out: Path, result: PlanResult, command: str) -> list[str]:
         names += ["plan.json", "fleet.toml"]
         if result.frontier:
             names.append(save_figure(_frontier_figure(result), tmp / "frontier.png"))
+        if result.simulation is not None:
+            from mismatch.plan.simulate import plot
+
+            names.append(plot(result.simulation, tmp / "simulation.png"))
         report = ["# Fleet plan", "", f"Command: `{command}`", "", "```", render_table(result),
                   "```", ""]
         if result.frontier:
             report += ["![cost per update against the KL budget](frontier.png)", ""]
+        if result.simulation is not None:
+            report += ["## Over a capacity trace", "", "```",
+                       *simulation_lines(result.simulation), "```", "",
+                       "![cost per update and staleness over the run](simulation.png)", ""]
         (tmp / "report.md").write_text("\n".join(report))
         names.append("report.md")
         mark_output(tmp, "plan")

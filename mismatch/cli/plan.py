@@ -33,6 +33,17 @@ def plan_command(
                                     "frontier.png and report.md here (default: "
                                     "runs/plan-<file name>). A folder holding anything but an "
                                     "earlier plan is refused."),
+    simulate: Path | None = typer.Option(None, "--simulate", help="Also run the plan over this "
+                                         "capacity trace (CSV time_s,group,gpus): staleness, "
+                                         "utilisation and cost per update over time, replanned "
+                                         "at each change of capacity."),
+    sim_hours: float = typer.Option(2.0, "--sim-hours", help="Simulated hours."),
+    cold_start: float = typer.Option(120.0, "--cold-start", help="Seconds a GPU added mid-run "
+                                     "takes to serve."),
+    episode_tokens: float = typer.Option(1024.0, "--episode-tokens", help="Sampled tokens per "
+                                         "episode (simulation)."),
+    sim_batch: int = typer.Option(64, "--sim-batch", help="Episodes each GPU decodes at once "
+                                  "(simulation)."),
     force: bool = typer.Option(False, "--force", help="Replace --out whatever it holds."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object to stdout."),
 ) -> None:
@@ -69,15 +80,28 @@ def plan_command(
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     try:
         result = plan_fleet(spec, billing, kl)
+        if simulate is not None:
+            from mismatch.app.plan import simulate_plan
+
+            for name, value in (("--sim-hours", sim_hours), ("--episode-tokens", episode_tokens),
+                                ("--sim-batch", sim_batch)):
+                if not value > 0:
+                    raise PlanInputError(f"{name} must be > 0, got {value}")
+            result = simulate_plan(result, simulate, hours=sim_hours, cold_start_s=cold_start,
+                                   episode_tokens=episode_tokens, batch=sim_batch, seed=seed)
     except PlanInfeasible as exc:
         fail(f"no fleet meets the budgets: {exc}", code=1)
     except PlanInputError as exc:
         fail(str(exc).splitlines()[0])
-    from mismatch.app.plan import render_table, write_outputs
+    from mismatch.app.plan import render_table, simulation_lines, write_outputs
 
     names = write_outputs(target, result, command)
     if as_json:
         typer.echo(json.dumps(result.to_json(), allow_nan=False))
     else:
         typer.echo(render_table(result))
+        if result.simulation is not None:
+            typer.echo("")
+            for line in simulation_lines(result.simulation):
+                typer.echo(line)
         typer.echo(f"wrote {target}/" + ", ".join(names))

@@ -7,7 +7,9 @@ mismatch stays within a budget (`mismatch plan`).
   each GPU × format;
 - `mismatch.plan.spec`: the fleet file (TOML) and its validation;
 - `mismatch.plan.solve`: the exact optimum under serverless (a linear program) and reserved (a
-  mixed-integer program) billing.
+  mixed-integer program) billing;
+- `mismatch.plan.simulate`: a discrete-event simulation (SimPy) of an asynchronous run on a
+  fleet over a capacity trace: staleness, utilisation and cost per update over time.
 """
 
 from __future__ import annotations

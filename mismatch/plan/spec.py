@@ -10,6 +10,9 @@
     billing = "serverless"    # or "reserved"
     [trainer]                 # optional
     gpu = "b200"              # the trainer's GPU: its BF16 group is the homogeneous comparison
+    [model]                   # optional
+    config = "config.json"    # the served model's Hugging Face config, for the throughput model
+                              # (default: the config of --model, or of the embedded model)
     [[group]]
     name = "b200-nvfp4"       # optional: gpu-dtype[-kv] by default
     gpu = "b200"
@@ -31,7 +34,10 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,7 +47,8 @@ __all__ = ["BILLINGS", "PlanGroup", "PlanSpec", "load_spec", "parse_spec"]
 
 BILLINGS = ("serverless", "reserved")
 
-_TOP_KEYS = {"update", "budget", "trainer", "group"}
+_TOP_KEYS = {"update", "budget", "trainer", "model", "group"}
+_MODEL_KEYS = {"config"}
 _UPDATE_KEYS = {"tokens", "updates_per_hour", "context"}
 _BUDGET_KEYS = {"kl", "kl_ratio", "masked", "billing"}
 _TRAINER_KEYS = {"gpu", "dtype", "kv_cache"}
@@ -101,6 +108,8 @@ class PlanSpec:
     trainer_kv_cache: str = "bf16"
     context: int | None = None
     """Context length for the throughput model (tokens of KV per sequence)."""
+    served_config: str | None = None
+    """The served model's config.json for the throughput model ([model] config), resolved."""
     path: str = "<fleet>"
 
     def matched_group(self) -> PlanGroup | None:
@@ -209,10 +218,18 @@ def parse_spec(data: dict, path: str = "<fleet>", base: Path | None = None) -> P
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise _bad(path, f"unknown table [{unknown[0]}]; the file holds [update], [budget], "
-                   f"[trainer] and [[group]]")
+                   f"[trainer], [model] and [[group]]")
     update = _table(path, data, "update", _UPDATE_KEYS, True)
     budget = _table(path, data, "budget", _BUDGET_KEYS, True)
     trainer = _table(path, data, "trainer", _TRAINER_KEYS, False)
+    served = _table(path, data, "model", _MODEL_KEYS, False).get("config")
+    if served is not None:
+        served_path = Path(str(served))
+        served_path = served_path if served_path.is_absolute() else base / served_path
+        if not served_path.is_file():
+            raise _bad(path, f"model.config {served} is not a file (a Hugging Face config.json "
+                       f"of the served model)")
+        served = str(served_path)
     for key in ("tokens", "updates_per_hour"):
         if key not in update:
             raise _bad(path, f"missing update.{key}")
@@ -287,7 +304,8 @@ def parse_spec(data: dict, path: str = "<fleet>", base: Path | None = None) -> P
         raise _bad(path, f"two groups are named {dup[0]!r}; give each a distinct name")
     spec = PlanSpec(tokens=tokens, updates_per_hour=rate, masked=masked, billing=billing,
                     groups=tuple(groups), kl=kl, kl_ratio=ratio, trainer_gpu=t_gpu,
-                    trainer_dtype=t_dtype, trainer_kv_cache=t_kv, context=context, path=path)
+                    trainer_dtype=t_dtype, trainer_kv_cache=t_kv, context=context,
+                    served_config=served, path=path)
     if ratio is not None and spec.matched_group() is None:
         raise _bad(path, f"budget.kl_ratio is relative to the trainer-matched group "
                    f"({t_gpu} {t_dtype}, kv_cache {t_kv}); list it as a [[group]] or give kl")
