@@ -96,4 +96,6 @@ def test_qualify_a_live_server_labels_it_with_both_gpu_and_dtype_or_neither(args
     # port 9 (discard) on loopback: nothing listens; the label is checked before any request
     proc = _cli(["qualify", "--sampler", "http://127.0.0.1:9", "--engine", "vllm",
                  "--out", str(tmp_path / "q"), *args])
-    _one_line_error(proc, match)
+    line = _one_line_error(proc, match)
+    assert "Traceback" not in proc.stderr and match in line
+    assert not (tmp_path / "q").exists()  # refused before anything was written

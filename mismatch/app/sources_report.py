@@ -61,7 +61,7 @@ def _kl(src: dict, key: str = "kl_exact"):
 
 
 def literature_checks(summary: dict) -> list[dict]:
-    """Each source's figure against the published magnitude or ordering (NUMERICS.md §3):
+    """Each source's figure against the published magnitude or ordering that its check names:
     [{source, published, ours, holds, why}], `why` saying what differs where it does not hold."""
     src = summary["sources"]
     out: list[dict] = []
@@ -84,7 +84,7 @@ def literature_checks(summary: dict) -> list[dict]:
     grid = p.get("parts", {})
     if all(f"{f} W+A" in grid for f in ("fp8", "nvfp4")):
         a, b = grid["nvfp4 W+A"]["kl_exact"], grid["fp8 W+A"]["kl_exact"]
-        add("precision", "NVFP4 W4A4 > FP8 W8A8 (fewer bits, NUMERICS.md §1)",
+        add("precision", "NVFP4 W4A4 > FP8 W8A8 (fewer bits)",
             f"{a:.2e} vs {b:.2e}", a > b, "the intervals overlap on this many tokens")
     if all(f"fp8 {st}" in grid for st in ("W+A", "W+A+KV")):
         a, b = grid["fp8 W+A+KV"]["kl_exact"], grid["fp8 W+A"]["kl_exact"]
@@ -204,7 +204,7 @@ def sources_markdown(summary: dict, command: str, plots: list[str]) -> str:
                 out += ["", f"![{name}]({plot})"]
     checks = literature_checks(s)
     if checks:
-        out += ["", "## Against the literature (NUMERICS.md §3)", "",
+        out += ["", "## Against the literature", "",
                 "| source | published | here | holds | why not |", "|---|---|---|:-:|---|"]
         out += [f"| {c['source']} | {c['published']} | {c['ours']} | "
                 f"{'yes' if c['holds'] else 'no'} | {c['why']} |" for c in checks]

@@ -17,7 +17,9 @@ non-causal (a single decode query attends to the whole cache); Blackwell forward
 FlashInfer 64 (a typical value, not read from its source). Decoding may split the keys across
 up to 4 blocks.
 The KV cache may be stored in FP8 E4M3 with a per-tensor scale; serving engines default that
-scale to 1.0 when the checkpoint has none (NUMERICS.md §1.2), which is what `kv_scale=1.0` means.
+scale to 1.0 when the checkpoint has none (vLLM's BaseKVCacheMethod,
+vllm/model_executor/layers/quantization/kv_cache.py, initializes k_scale and v_scale to 1.0),
+which is what `kv_scale=1.0` means.
 """
 
 from __future__ import annotations
