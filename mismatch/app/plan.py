@@ -62,11 +62,11 @@ def _model_key(model: Path | None) -> str:
     return h.hexdigest()[:20]
 
 
-def _probe_figures(group: PlanGroup, model: Path | None, n_prompts: int, seed: int,
-                   cache: Path | None, log: Callable[[str], None]) -> tuple[dict, bool]:
+def _probe_figures(group: PlanGroup, model: Path | None, model_key: str, n_prompts: int,
+                   seed: int, cache: Path | None, log: Callable[[str], None]) -> tuple[dict, bool]:
     """{"kl": exact KL, "masked": MIS masked share} of the group's sampler vs the trainer, and
-    whether it came from the cache."""
-    key = {"version": PROBE_VERSION, "model": _model_key(model), "gpu": group.gpu,
+    whether it came from the cache (`model_key`: _model_key(model), computed once per plan)."""
+    key = {"version": PROBE_VERSION, "model": model_key, "gpu": group.gpu,
            "dtype": group.dtype, "kv_cache": group.kv_cache, "n_prompts": n_prompts,
            "seed": seed}
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json"
@@ -100,6 +100,7 @@ def fill_figures(spec: PlanSpec, model: Path | None = None, *, n_prompts: int = 
                  log: Callable[[str], None] = lambda _line: None) -> PlanSpec:
     """The spec with every group's missing figures filled (module docstring)."""
     shape = None
+    model_key = None
     groups = []
     for g in spec.groups:
         if g.price_per_hour is None:
@@ -119,7 +120,9 @@ def fill_figures(spec: PlanSpec, model: Path | None = None, *, n_prompts: int = 
             if not probe:
                 raise PlanInputError(f"group {g.name!r} has no {' or '.join(g.missing())}: give "
                                      f"it in {spec.path}, or drop --no-probe to probe it")
-            figures, cached = _probe_figures(g, model, n_prompts, seed, cache, log)
+            if model_key is None:
+                model_key = _model_key(model)  # reads every weight file: once per plan
+            figures, cached = _probe_figures(g, model, model_key, n_prompts, seed, cache, log)
             source = "probe (emulated, cached)" if cached else "probe (emulated)"
             if g.kl is None:
                 g = g.with_("kl", figures["kl"], source)
@@ -358,5 +361,3 @@ def write_outputs(out: Path, result: PlanResult, command: str) -> list[str]:
         mark_output(tmp, "plan")
     return names
 
-
-__all__ += ["PlanInfeasible"]
