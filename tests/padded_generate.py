@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from mismatch.kernels.bf16_gemm import bf16_module_gemms
 from mismatch.engines.sampler import SamplingParams, process_logits, ranked_topk
 from mismatch.engines.scorer import position_ids, record_routing
 from mismatch.records import Rollout
@@ -47,7 +48,7 @@ def padded_generate(model: torch.nn.Module, prompts: list[list[int]], params: Sa
     steps = params.max_new_tokens if forced is None else forced.shape[1]
     routing: list[list[torch.Tensor]] = []
     ctx = record_routing(model, routing) if with_routing else contextlib.nullcontext()
-    with ctx:
+    with ctx, bf16_module_gemms(model):  # the engine's BF16 GEMM numerics (kernels.bf16_gemm)
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                     use_cache=True, logits_to_keep=1)
         cache = out.past_key_values

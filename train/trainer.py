@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mismatch.kernels.bf16_gemm import bf16_gemms
 from mismatch.metrics import kl_estimators
 from mismatch.runtime import torch_threads
 
@@ -171,7 +172,7 @@ class Trainer:
     def step(self, batch: Batch) -> dict[str, Any]:
         """One corrected GRPO step; returns its metrics (floats). Runs on `self.threads`
         intra-op threads when set (the process's count is restored after)."""
-        with torch_threads(self.threads):
+        with torch_threads(self.threads), bf16_gemms():
             return self._step(batch)
 
     def _step(self, batch: Batch) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
+from ..kernels.bf16_gemm import bf16_module_gemms
 from .kv_cache import SlotCache
 from .outputs import SlotOutputs
 from .requests import Completion, EngineStats, Request
@@ -214,14 +215,15 @@ class Engine:
                 sink[i].append(output[-1].detach())
             handles.append(router.register_forward_hook(hook))
         try:
-            hidden = self.model.model(input_ids=ids.to(dev), attention_mask=allowed.to(dev),
-                                      position_ids=pos.to(dev), past_key_values=cache,
-                                      use_cache=True).last_hidden_state
+            with bf16_module_gemms(self.model):
+                hidden = self.model.model(input_ids=ids.to(dev), attention_mask=allowed.to(dev),
+                                          position_ids=pos.to(dev), past_key_values=cache,
+                                          use_cache=True).last_hidden_state
+                last = hidden[torch.arange(b, device=dev), (counts - 1).to(dev)]
+                logits = self.model.get_output_embeddings()(last).float()
         finally:
             for h in handles:
                 h.remove()
-        last = hidden[torch.arange(b, device=dev), (counts - 1).to(dev)]
-        logits = self.model.get_output_embeddings()(last).float()
         if self.routers and all(len(s) == 1 for s in sink):
             chosen = torch.stack([s[0].view(b, width, -1) for s in sink], dim=2).cpu()
             b_idx, j_idx, slot_idx, pos_idx = cache.planned_positions()

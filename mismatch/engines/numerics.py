@@ -34,6 +34,7 @@ from mismatch.quantize.accumulate import KSlices, resolve
 from mismatch.quantize.formats import E4M3_MAX
 
 from ..kernels import accumulate_gemm, fake_quant
+from ..kernels.bf16_gemm import bf16_module_gemms
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES
 from .hf_attention import eager_experts, emulated_attention
@@ -221,7 +222,7 @@ def calibrate(model: torch.nn.Module, spec: NumericsSpec, batches) -> dict[str, 
         return {}
     amax: dict[str, torch.Tensor] = {}
     emulator = _Emulator(build_table(model, spec), spec, {}, amax)
-    with eager_experts(model), _patched(model, emulator):
+    with eager_experts(model), _patched(model, emulator), bf16_module_gemms(model):
         for input_ids, attention_mask in batches:
             model(input_ids=input_ids, attention_mask=attention_mask)
     # a per-tensor scale maps amax to the codec's range; block-scaled codecs ignore it

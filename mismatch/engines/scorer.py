@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from ..kernels import scorer_head
+from ..kernels.bf16_gemm import bf16_gemms
 from ..records import Rollout, Scores
 from .routing import routers as find_routers
 
@@ -45,6 +46,7 @@ def record_routing(model: torch.nn.Module, sink: list[list[torch.Tensor]]):
 
 
 @torch.no_grad()
+@bf16_gemms()
 def score(model: torch.nn.Module, rollout: Rollout, *, row_chunk: int = 1024,
           with_routing: bool = True, full_from: int | None = None) -> Scores:
     """Teacher-forced log-probs of rollout.token_ids under `model` as it is configured now.

@@ -1,0 +1,194 @@
+"""BF16 matrix products at FP32 speed on CPUs without fast BF16.
+
+The numerics. A BF16 GEMM here means what a GPU tensor core computes: the products of BF16
+inputs, each exact in FP32 (an 8-bit by 8-bit significand product fits FP32's 24 bits), summed
+in FP32, the result rounded once to BF16 (round to nearest even). oneDNN computes the same on a
+CPU with AVX-512-BF16 or AMX (`vdpbf16ps`, `tdpbf16ps`: FP32 accumulation of BF16 products).
+Without them, torch 2.13's BF16 GEMM is a slow path: 1 GFLOP/s against 87 GFLOP/s in FP32 on an
+AVX2-only AMD EPYC core; 13–15 against 54 GFLOP/s on an AVX-512 core without AVX-512-BF16 (the
+embedded model's shapes, one thread).
+
+`bf16_gemms()` is a context manager that, where the CPU's BF16 GEMM is slow, computes every BF16
+matrix product on CPU tensors inside it — `mm`, `addmm`, `bmm`, `baddbmm`, `mv`, `addmv` and the
+MoE's `_grouped_mm`, forward and backward alike (it sits below autograd, so the backward's GEMMs
+go through it too) — as the FP32 GEMM of the same BF16 values, rounded to BF16. The inputs are
+exactly representable in FP32, so that is the definition above with another summation order:
+on the embedded model's shapes 99.99% of the outputs equal torch's native BF16 GEMM and the
+correctly rounded float64 product, the rest differ by one BF16 unit in the last place
+(tests/test_bf16_gemm.py checks it against float64 per shape). Everything else (attention,
+elementwise work, FP32 and FP16 products, CUDA tensors) runs as it would.
+
+The choice, once per process: `MISMATCH_BF16_GEMM=native` keeps torch's kernels, `fp32` always
+reroutes, `auto` (the default) reroutes unless the CPU has AVX-512-BF16 or AMX-BF16 (Linux's
+/proc/cpuinfo flags; elsewhere a one-off micro-benchmark of both paths decides).
+
+The cost: a Python dispatch per tensor operation inside the block (~20–40 µs each). A training
+step or a prefill pays it back many times over; the entry points that use it are the trainer's
+step, the sampler engine's forward and the scorer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["BF16_GEMM_ENV", "BF16_GEMM_MODES", "bf16_gemm_policy", "cpu_has_fast_bf16",
+           "bf16_gemms", "bf16_module_gemms", "FP32Accumulation"]
+
+BF16_GEMM_ENV = "MISMATCH_BF16_GEMM"
+BF16_GEMM_MODES = ("auto", "fp32", "native")
+FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""CPU flags (Linux /proc/cpuinfo names) under which oneDNN runs BF16 GEMMs natively."""
+
+_aten = torch.ops.aten
+_BF16 = torch.bfloat16
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, or None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        return None
+    return None
+
+
+def _benchmark_prefers_native(size: int = 256, seconds: float = 0.05) -> bool:
+    """Whether torch's native BF16 GEMM beats FP32 on this CPU (one-thread micro-benchmark)."""
+    a = torch.randn(size, size).to(_BF16)
+    b = torch.randn(size, size).to(_BF16)
+
+    def rate(fn) -> float:
+        fn()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            n += 1
+        return n / (time.perf_counter() - t0)
+
+    native = rate(lambda: a @ b)
+    fp32 = rate(lambda: (a.float() @ b.float()).to(_BF16))
+    return native >= fp32
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU runs BF16 GEMMs natively fast (AVX-512-BF16 or AMX-BF16)."""
+    flags = _cpu_flags()
+    if flags is not None:
+        return any(f in flags for f in FAST_BF16_FLAGS)
+    return _benchmark_prefers_native()
+
+
+def bf16_gemm_policy() -> str:
+    """'fp32' or 'native': how BF16 GEMMs on CPU run in this process (see the module's doc)."""
+    mode = os.environ.get(BF16_GEMM_ENV, "auto").strip().lower() or "auto"
+    if mode not in BF16_GEMM_MODES:
+        raise ValueError(f"{BF16_GEMM_ENV}={mode!r}: use one of {', '.join(BF16_GEMM_MODES)}")
+    if mode == "auto":
+        return "native" if cpu_has_fast_bf16() else "fp32"
+    return mode
+
+
+def _up(x):
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype == _BF16 else x
+
+
+_GEMMS = {_aten.mm.default: 2, _aten.bmm.default: 2, _aten.mv.default: 2,
+          _aten.addmm.default: 3, _aten.baddbmm.default: 3, _aten.addmv.default: 3,
+          _aten._grouped_mm.default: 2}
+"""The rerouted ATen GEMMs → how many leading arguments are the operands."""
+
+
+class FP32Accumulation(TorchDispatchMode):
+    """Inside: a BF16 GEMM on CPU tensors runs as the FP32 GEMM of its values, rounded to BF16."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        n = _GEMMS.get(func)
+        if n is not None and kwargs.get("out_dtype") in (None, _BF16):
+            operands = args[:n]
+            if all(isinstance(t, torch.Tensor) and t.dtype == _BF16 and t.device.type == "cpu"
+                   for t in operands if t is not None):
+                out = func(*[_up(a) for a in args], **{k: _up(v) for k, v in kwargs.items()})
+                return out.to(_BF16)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def bf16_gemms(policy: str | None = None) -> Iterator[bool]:
+    """Run the block's BF16 CPU GEMMs as FP32 GEMMs of BF16 values where the CPU's BF16 GEMM is
+    slow (`policy`: 'fp32' or 'native'; default `bf16_gemm_policy()`). Yields whether it
+    reroutes. Nested use is free: an enclosing block already rerouting is kept."""
+    policy = bf16_gemm_policy() if policy is None else policy
+    if policy not in ("fp32", "native"):
+        raise ValueError(f"bf16_gemms: policy {policy!r} is not 'fp32' or 'native'")
+    if policy == "native" or _active():
+        yield policy == "fp32"
+        return
+    with FP32Accumulation():
+        yield True
+
+
+def _active() -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FP32Accumulation) for m in _get_current_dispatch_mode_stack())
+
+
+def _fp32_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != _BF16:
+        return F.linear(x, module.weight, module.bias)
+    bias = None if module.bias is None else module.bias.float()
+    return F.linear(x.float(), module.weight.float(), bias).to(_BF16)
+
+
+def _under_mode(forward, *args, **kwargs):
+    with FP32Accumulation():
+        return forward(*args, **kwargs)
+
+
+def _is_bf16_cpu(p: torch.Tensor) -> bool:
+    return p.dtype == _BF16 and p.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def bf16_module_gemms(model: torch.nn.Module, policy: str | None = None) -> Iterator[bool]:
+    """The same numerics as `bf16_gemms`, for a no-grad forward called many times (a decode
+    loop), without a dispatch per tensor operation: for the block, each BF16 `nn.Linear` of
+    `model` runs as the FP32 linear of its values rounded to BF16, and each module holding 3-D
+    BF16 expert weights (a fused MoE) runs its forward under `FP32Accumulation`. Modules that
+    already carry an instance-level forward (the numerics emulation's) are left alone. Yields
+    whether it reroutes."""
+    policy = bf16_gemm_policy() if policy is None else policy
+    if policy not in ("fp32", "native"):
+        raise ValueError(f"bf16_module_gemms: policy {policy!r} is not 'fp32' or 'native'")
+    if policy == "native" or _active():
+        yield policy == "fp32"
+        return
+    patched: list[torch.nn.Module] = []
+    try:
+        for mod in model.modules():
+            if "forward" in vars(mod):
+                continue
+            if isinstance(mod, torch.nn.Linear):
+                if _is_bf16_cpu(mod.weight):
+                    mod.forward = functools.partial(_fp32_linear, mod)
+                    patched.append(mod)
+            elif any(p.dim() == 3 and _is_bf16_cpu(p) for p in mod.parameters(recurse=False)):
+                mod.forward = functools.partial(_under_mode, type(mod).forward.__get__(mod))
+                patched.append(mod)
+        yield True
+    finally:
+        for mod in patched:
+            del mod.forward
