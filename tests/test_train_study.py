@@ -332,3 +332,39 @@ def test_a_run_short_of_its_steps_is_not_judged_a_false_alarm():
     assert "runs that never halved with a critical alert: 0 (runs short of" in text
     # the short run is replayed (its row is there) but not counted
     assert "| L0-k8-sc-s1 | L0-k8-sc_mis-s0 | – | 17 |" in text
+
+
+def test_a_fleet_file_is_a_study_fleet(tmp_path):
+    """`mismatch study --fleets L0,FILE.toml`: a fleet file (what `mismatch plan` writes) runs
+    beside the presets, named by its stem, trained with `--fleet` on its absolute path; a
+    missing or malformed file, or two fleets of one name, is refused in one line."""
+    from dataclasses import replace
+
+    from mismatch.train.study import _command, fleet_label, fleet_of
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[[group]]\ngpu = "b200"\ndtype = "bf16"\nkv_cache = "bf16"\nshare = 0.75\n\n'
+                    '[[group]]\ngpu = "h100"\ndtype = "fp8"\nkv_cache = "bf16"\nshare = 0.25\n')
+    cfg = replace(STUDY_PRESETS["full"](), fleets=("L0", str(plan)), sync_fleets=())
+    names = [c.name for c in cells(cfg)]
+    assert "plan-k8-sc_mis-s2" in names and "L0-k8-sc_mis-s2" in names and len(names) == 30
+    assert fleet_label(str(plan)) == "plan" and fleet_of(str(plan)) == str(plan.resolve())
+    cell = next(c for c in cells(cfg) if c.name == "plan-k8-sc_mis-s0")
+    cmd = _command(cfg, cell, tmp_path / cell.name, resume=False)
+    assert cmd[cmd.index("--fleet") + 1] == str(plan.resolve())
+    l0 = _command(cfg, cells(cfg)[0], tmp_path / "x", resume=False)
+    assert "--fleet" not in l0 and l0[l0.index("--preset") + 1] == "homogeneous"
+    order = sorted(cells(cfg), key=lambda c: run_order(cfg, c))
+    assert [c.name for c in order[:4]] == ["L0-k8-grpo-s0", "L0-k8-sc_mis-s0",
+                                           "plan-k8-grpo-s0", "plan-k8-sc_mis-s0"]
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[group]]\ngpu = "z900"\ndtype = "bf16"\nshare = 1.0\n')
+    twin = tmp_path / "other"
+    twin.mkdir()
+    (twin / "plan.toml").write_text(plan.read_text())
+    for fleets, match in ((("L0", str(tmp_path / "none.toml")), "does not exist"),
+                          (("L0", str(bad)), "z900"), (("L0", "L7"), "unknown fleet"),
+                          ((str(plan), str(twin / "plan.toml")), "share a name")):
+        with pytest.raises(ValueError, match=match):
+            replace(cfg, fleets=fleets)

@@ -42,11 +42,37 @@ from mismatch.runtime import child_setup, core_slots, parent_death_signal
 
 from .study_logs import ADOPTED, adopt_logs, export_logs, steps_logged
 
-__all__ = ["FLEETS", "ARMS", "StudyConfig", "STUDY_PRESETS", "Cell", "cells", "run_grid",
+__all__ = ["FLEETS", "fleet_of", "fleet_label", "ARMS", "StudyConfig",
+           "STUDY_PRESETS", "Cell", "cells", "run_grid",
            "run_state", "run_order", "build_policy", "export_logs"]
 
 FLEETS = {"L0": "homogeneous", "L1": "precision", "L2": "mixed"}
-"""Study fleet name → train.fleet preset."""
+"""Study fleet name → train.fleet preset. A study fleet may also be a fleet file (a path ending
+in .toml, as `mismatch plan` writes): its runs train with `--fleet FILE` and are named by the
+file's stem."""
+
+
+def fleet_of(name: str) -> str:
+    """What `mismatch train` trains a study fleet on: its preset (L0–L2), or the fleet file's
+    absolute path. Raises ValueError with one line for anything else."""
+    if name in FLEETS:
+        return FLEETS[name]
+    from .fleet import fleet_file, is_fleet_file
+
+    if not is_fleet_file(name):
+        raise ValueError(f"unknown fleet {name!r}; fleets: {', '.join(FLEETS)} or a fleet file "
+                         f"ending in .toml (`mismatch plan` writes one)")
+    path = Path(name).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"fleet file {name} does not exist; `mismatch plan ... --out DIR` "
+                         f"writes DIR/fleet.toml")
+    fleet_file(str(path))  # parses, or one line on what is wrong
+    return str(path)
+
+
+def fleet_label(name: str) -> str:
+    """A study fleet's name in run folders and tables: L0–L2, or a fleet file's stem."""
+    return name if name in FLEETS else Path(name).stem
 ARMS = {"grpo": "grpo", "mis": "mis", "sc": "sc", "sc+mis": "sc+mis", "grpo+topp": "topp",
         "sc+mis+topp": "sc+mis+topp"}
 """Study arm name → train.loss arm."""
@@ -80,9 +106,12 @@ class StudyConfig:
     after the last (0: none)."""
 
     def __post_init__(self) -> None:
-        for f in self.fleets:
-            if f not in FLEETS:
-                raise ValueError(f"unknown fleet {f!r}; fleets: {', '.join(FLEETS)}")
+        for f in (*self.fleets, *self.sync_fleets):
+            fleet_of(f)
+        labels = [fleet_label(f) for f in dict.fromkeys((*self.fleets, *self.sync_fleets))]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"two fleets share a name ({', '.join(labels)}): rename a fleet "
+                             f"file so each run folder is its own")
         for a in (*self.arms, *self.sync_arms):
             if a not in ARMS:
                 raise ValueError(f"unknown arm {a!r}; arms: {', '.join(ARMS)}")
@@ -92,9 +121,6 @@ class StudyConfig:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        unknown = [f for f in self.sync_fleets if f not in FLEETS]
-        if unknown:
-            raise ValueError(f"unknown fleet {unknown[0]!r}; fleets: {', '.join(FLEETS)}")
         if self.policy_steps < 0 or self.eval_tasks < 0:
             raise ValueError(f"policy-steps and eval-tasks must be >= 0, got "
                              f"{self.policy_steps}, {self.eval_tasks}")
@@ -163,7 +189,7 @@ class Cell:
     @property
     def name(self) -> str:
         lag = "sync" if self.staleness is None else f"k{self.staleness}"
-        return f"{self.fleet}-{lag}-{self.arm.replace('+', '_')}-s{self.seed}"
+        return f"{fleet_label(self.fleet)}-{lag}-{self.arm.replace('+', '_')}-s{self.seed}"
 
 
 def cells(cfg: StudyConfig) -> list[Cell]:
@@ -179,8 +205,9 @@ def run_order(cfg: StudyConfig, cell: Cell) -> tuple:
     over the first two seeds first, so that a sitting that ends mid-grid leaves the central
     claim with a spread over seeds; then seed by seed every cell (the central pair, the other
     arms, the on-policy controls), so that every claim has an answer before the intervals
-    tighten; the fastest fleet first in each."""
-    rank = {f: i for i, f in enumerate(sorted({*cfg.fleets, *cfg.sync_fleets}))}
+    tighten; the fastest fleet first in each (the presets L0 < L1 < L2, then fleet files)."""
+    rank = {f: i for i, f in enumerate(sorted({*cfg.fleets, *cfg.sync_fleets},
+                                              key=lambda f: (f not in FLEETS, fleet_label(f))))}
     seed = cfg.seeds.index(cell.seed)
     kind = 0 if cell.arm in ("grpo", "sc+mis") and cell.staleness is not None else (
         2 if cell.staleness is None else 1)
@@ -202,8 +229,10 @@ def run_state(run: Path, steps: int) -> str:
 def _command(cfg: StudyConfig, cell: Cell, run: Path, resume: bool) -> list[str]:
     lag = ["--sync"] if cell.staleness is None else ["--staleness", str(cell.staleness)]
     policy = ["--model", str(run.parent / cfg.policy_name)] if cfg.policy_name else []
+    fleet = (["--preset", FLEETS[cell.fleet]] if cell.fleet in FLEETS
+             else ["--preset", "mixed", "--fleet", fleet_of(cell.fleet)])
     cmd = [sys.executable, "-m", "mismatch.cli", "train", "--out", str(run),
-           "--preset", FLEETS[cell.fleet], "--correction", ARMS[cell.arm], *lag,
+           *fleet, "--correction", ARMS[cell.arm], *lag,
            "--seed", str(cell.seed), "--quiet", *policy, *cfg.train_args()]
     return cmd + (["--resume"] if resume else [])
 

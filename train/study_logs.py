@@ -65,9 +65,9 @@ def export_logs(cfg, out: Path, dest: Path) -> list[str]:
 def _expected(cfg, cell) -> dict:
     """The config.json fields a run of `cell` in grid `cfg` is made with (the model by name:
     the policy folder's path differs from machine to machine)."""
-    from .study import ARMS, FLEETS
+    from .study import ARMS, fleet_of
 
-    return {"fleet": FLEETS[cell.fleet], "correction": ARMS[cell.arm],
+    return {"fleet": fleet_of(cell.fleet), "correction": ARMS[cell.arm],
             "sync": cell.staleness is None, "staleness": cell.staleness, "seed": cell.seed,
             "steps": cfg.steps, "lr": cfg.lr, "tasks": cfg.tasks,
             "prompts_per_step": cfg.prompts, "samples_per_prompt": cfg.samples,

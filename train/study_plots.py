@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mismatch.io import save_figure
 
-from .study import FLEETS, Cell, StudyConfig
+from .study import FLEETS, Cell, StudyConfig, fleet_label
 from .study_summary import WINDOW, cell_panels, cell_runs, trailing
 
 __all__ = ["plot_study"]
@@ -49,7 +49,8 @@ def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str
                 ax.plot(steps, mean, color=_COLORS.get(arm), lw=1.6, label=arm)
                 ax.fill_between(steps, lo, hi, color=_COLORS.get(arm), alpha=0.12, lw=0)
             lag = "on-policy (sync)" if k is None else f"staleness {k}"
-            ax.set_title(f"{fleet} ({FLEETS[fleet]}), {lag}", fontsize=9)
+            ax.set_title(f"{fleet_label(fleet)} ({FLEETS.get(fleet, Path(fleet).name)}), {lag}",
+                         fontsize=9)
             ax.set_xlabel("optimizer step")
             if log:
                 ax.set_yscale("log")
@@ -93,7 +94,8 @@ def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, dict], final: Path) -> str:
                                 marker="o" if not suffix else "s", ls=style, lw=1.4,
                                 capsize=3, label=label)
         lag = "on-policy (sync)" if k is None else f"staleness {k}"
-        ax.set_title(f"{fleet} ({FLEETS[fleet]}), {lag}", fontsize=9)
+        ax.set_title(f"{fleet_label(fleet)} ({FLEETS.get(fleet, Path(fleet).name)}), {lag}",
+                         fontsize=9)
         ax.set_xlabel("optimizer step")
         ax.set_xlim(-0.06 * cfg.steps, 1.06 * cfg.steps)
         ax.grid(alpha=0.3)

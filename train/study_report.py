@@ -12,7 +12,7 @@ from typing import Any
 
 from mismatch.io import atomic_write_text
 
-from .study import ARMS, FLEETS, Cell, StudyConfig, cells
+from .study import ARMS, FLEETS, Cell, StudyConfig, cells, fleet_label
 from .study_summary import (WINDOW, cell_panels, cell_runs, ci95, lag_label, share_ci,
                             replayed_alert, summarize_run)
 
@@ -334,7 +334,8 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, c
         out += ["Regenerate:", "", "```bash", command, "```", ""]
     controls = (f"; on-policy controls (`--sync`): {', '.join(cfg.sync_arms)} on "
                 f"{', '.join(cfg.sync_fleets)}" if cfg.sync_arms else "")
-    out += [f"Grid: fleets {', '.join(f'{f} ({FLEETS[f]})' for f in cfg.fleets)}; forced "
+    fleets = ', '.join(f'{fleet_label(f)} ({FLEETS.get(f, f)})' for f in cfg.fleets)
+    out += [f"Grid: fleets {fleets}; forced "
             f"staleness {', '.join(map(str, cfg.staleness))}; arms {', '.join(cfg.arms)}; seeds "
             f"{', '.join(map(str, cfg.seeds))}{controls}. Each run: {cfg.steps} steps of "
             f"{cfg.prompts} prompts × {cfg.samples} episodes, AdamW lr {cfg.lr:g}, temperature 1 "

@@ -35,7 +35,9 @@ def study_command(
                                           "beside it (default: OUT/study.md)."),
     preset: str = typer.Option("full", "--preset", help=preset_help(STUDY_PRESETS)),
     fleets: Optional[str] = typer.Option(None, "--fleets", help="Comma-separated: L0 "
-                                         "(homogeneous), L1 (precision), L2 (mixed)."),
+                                         "(homogeneous), L1 (precision), L2 (mixed), or fleet "
+                                         "files (.toml, as `mismatch plan` writes; runs named "
+                                         "by the file's stem)."),
     arms: Optional[str] = typer.Option(None, "--arms", help="Comma-separated among grpo, mis, "
                                        "sc, sc+mis, grpo+topp (or topp), sc+mis+topp — the "
                                        "names `mismatch train --correction` takes."),
