@@ -23,8 +23,10 @@ reroutes, `auto` (the default) reroutes unless the CPU has AVX-512-BF16 or AMX-B
 /proc/cpuinfo flags; elsewhere a one-off micro-benchmark of both paths decides).
 
 The cost: a Python dispatch per tensor operation inside the block (~20–40 µs each). A training
-step or a prefill pays it back many times over; the entry points that use it are the trainer's
-step, the sampler engine's forward and the scorer's.
+step or a scoring pass pays it back many times over; they use `bf16_gemms` (the trainer's step,
+the scorer). A decode loop calls a small forward per token, so the engine and calibration use
+`bf16_module_gemms`: the same numerics, patched into the model's `nn.Linear` modules and fused
+MoE experts for the block, with no dispatch per operation.
 """
 
 from __future__ import annotations
