@@ -36,6 +36,7 @@ from .exact_kl import exact_kl, second_order
 __all__ = [
     "MIS_LOW",
     "MIS_HIGH",
+    "MAX_LOG_RATIO",
     "log_ratio",
     "kl_estimators",
     "ratio_stats",
@@ -54,7 +55,11 @@ __all__ = [
 # the MIS range for π/μ, outside which tokens are masked: IcePop (Zhao et al., Ant Group 2025,
 # https://ringtech.notion.site/icepop)
 MIS_LOW, MIS_HIGH = 0.5, 5.0
-_MAX_LOG_RATIO = 20.0  # keeps exp(r) finite in float32 for pathological tokens (e^20 ≈ 4.9e8)
+MAX_LOG_RATIO = 20.0
+"""The bound |log π − log μ| is clamped to wherever a ratio is exponentiated (importance weights,
+k3, the SC multipliers): e^20 ≈ 4.9e8 stays finite in float32 and its square in a mean does too,
+while a ratio that far out is masked by MIS (0.5–5) or truncated by TIS long before; the one
+constant of the project's metrics, probes' tallies and losses."""
 _INF = float("inf")
 _NAN = float("nan")
 
@@ -200,7 +205,7 @@ def masked_quantiles(x: torch.Tensor, valid: torch.Tensor, q: tuple[float, ...])
 def k_estimators(r: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
     """k1, k2, k3 means of a float64 log-ratio `r` that is 0 at every uncounted token (those
     then add exactly 0 to each sum) over its `n` counted tokens; r is clamped to ±20 first."""
-    r = r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    r = r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     n = n.clamp_min(1).to(torch.float64)
     return {"kl_k1": -r.sum() / n, "kl_k2": (r * r).sum() * 0.5 / n,
             "kl_k3": (torch.expm1(r) - r).sum() / n}
@@ -208,7 +213,7 @@ def k_estimators(r: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _clamped_np(rr: np.ndarray) -> np.ndarray:
     """The counted log-ratios (a fresh 1-D ndarray) clamped to ±20, in place."""
-    return np.clip(rr, -_MAX_LOG_RATIO, _MAX_LOG_RATIO, out=rr)
+    return np.clip(rr, -MAX_LOG_RATIO, MAX_LOG_RATIO, out=rr)
 
 
 def _k_np(rc: np.ndarray, keys=("kl_k1", "kl_k2", "kl_k3")) -> dict[str, torch.Tensor]:
@@ -249,7 +254,7 @@ def _nans(keys) -> dict[str, torch.Tensor]:
 def _ratio_stats(r, counted, n: int, low: float, high: float) -> dict[str, torch.Tensor]:
     if n == 0:
         return _nans(_RATIO_KEYS)
-    w = torch.exp(r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))               # 1 where uncounted
+    w = torch.exp(r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))               # 1 where uncounted
     wz = torch.where(counted, w, 0.0)
     s1, s2 = wz.sum(), (wz * wz).sum()
     q = masked_quantiles(w, counted, (0.01, 0.5, 0.99))
@@ -294,7 +299,7 @@ def _diff_stats(r, counted, n: int, trainer_logprobs, sampler_logprobs):
         return _nans(_DIFF_KEYS)
     d = r.abs()                                                             # 0 where uncounted
     dp = (trainer_logprobs.double().exp() - sampler_logprobs.double().exp()).abs()
-    mult = torch.where(counted, d.clamp(max=_MAX_LOG_RATIO).exp(), 0.0)
+    mult = torch.where(counted, d.clamp(max=MAX_LOG_RATIO).exp(), 0.0)
     return {"abs_logprob_diff_mean": d.sum() / n,
             "token_multiplicative_error": mult.sum() / n,
             "abs_logprob_diff_p99": masked_quantiles(d, counted, (0.99,))[0],
@@ -309,7 +314,7 @@ def _diff_np(rr: np.ndarray, t: np.ndarray, s: np.ndarray) -> dict[str, torch.Te
         return _nans(_DIFF_KEYS)
     d = np.abs(rr)
     mean, top = float(d.sum()), float(d.max())
-    mult = np.minimum(d, _MAX_LOG_RATIO)
+    mult = np.minimum(d, MAX_LOG_RATIO)
     mult = float(np.exp(mult, out=mult).sum())
     dp = np.exp(t, dtype=np.float64)
     dp -= np.exp(s, dtype=np.float64)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from mismatch.metrics import bootstrap_ci, divergence_summary, exact_kl, log_ratio
+from mismatch.metrics import MAX_LOG_RATIO, bootstrap_ci, divergence_summary, exact_kl, log_ratio
 
 from .base import Evaluation
 
@@ -28,7 +28,6 @@ NOISE_FLOOR = 1e-7
 interval target does not apply there."""
 CI_REL_TARGET = 0.2
 """A figure above the noise floor should have a 95% half-width under 20% of its value."""
-_MAX_LOG_RATIO = 20.0  # keeps k3's exp(log π − log μ) finite (e^20 ≈ 4.9e8)
 
 
 class Tally:
@@ -88,7 +87,7 @@ class Tally:
             counted &= ex.abs() < math.inf
             ex = torch.where(counted, ex, 0.0)
         out["nonfinite_tokens"] = out["tokens"] - int(counted.sum())
-        lr = torch.where(counted, lr, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        lr = torch.where(counted, lr, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         k3 = torch.expm1(lr) - lr                                   # 0 where not counted
         per_n = counted.sum(-1).double()
         keep = per_n > 0

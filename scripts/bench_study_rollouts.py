@@ -16,7 +16,8 @@ import torch
 
 from mismatch.zoo import load_model, load_tokenizer
 from mismatch.train.fleet import Router, fleet
-from mismatch.train.rollout import COMPUTE_DTYPES, run_episodes
+from mismatch.probes.base import TORCH_DTYPES
+from mismatch.train.rollout import run_episodes
 from mismatch.train.batch import task_of
 
 
@@ -40,7 +41,7 @@ def main() -> None:
         units = [(u, router.assign(u)) for u in range(args.prompts)]
         models = {}
         for _, g in units:
-            dtype = COMPUTE_DTYPES[g.spec.compute_dtype]
+            dtype = TORCH_DTYPES[g.spec.compute_dtype]
             models.setdefault(dtype, base.to(dtype).eval())
         by_group = defaultdict(list)
         for u, g in units:
@@ -48,14 +49,14 @@ def main() -> None:
 
         def per_unit() -> None:
             for u, g in units:
-                run_episodes(models[COMPUTE_DTYPES[g.spec.compute_dtype]], tok,
+                run_episodes(models[TORCH_DTYPES[g.spec.compute_dtype]], tok,
                              [task_of(u, 0, kinds)] * args.samples, g, version=0, seed=u)
 
         def per_group() -> None:
             for batch in by_group.values():
                 g = batch[0][1]
                 tasks = [task_of(u, 0, kinds) for u, _ in batch for _ in range(args.samples)]
-                run_episodes(models[COMPUTE_DTYPES[g.spec.compute_dtype]], tok, tasks, g,
+                run_episodes(models[TORCH_DTYPES[g.spec.compute_dtype]], tok, tasks, g,
                              version=0, seed=batch[0][0])
 
         times = {}

@@ -135,7 +135,7 @@ def ratios(ckpt: Path, preset: str | None = None, prompts: int = 8, lag: int | N
     and the run's particulars}."""
     from mismatch.zoo import load_model, load_tokenizer
     from mismatch.train.fleet import fleet
-    from mismatch.train.rollout import COMPUTE_DTYPES
+    from mismatch.probes.base import TORCH_DTYPES
     from mismatch.train.sampling import model_at, sample_units
 
     cfg, state, step, old_v, old_w = load(ckpt, lag)
@@ -148,7 +148,7 @@ def ratios(ckpt: Path, preset: str | None = None, prompts: int = 8, lag: int | N
     per_group = {}
     unit = int(state["next_unit"])
     for g in groups:
-        dtype = COMPUTE_DTYPES[g.spec.compute_dtype]
+        dtype = TORCH_DTYPES[g.spec.compute_dtype]
         sampler = model_at({}, base, dtype, old_v, old_w)
         units = list(range(unit, unit + prompts))
         unit += prompts

@@ -45,14 +45,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mismatch.metrics import MIS_HIGH, MIS_LOW, k_estimators, masked_quantiles
+from mismatch.metrics import MAX_LOG_RATIO, MIS_HIGH, MIS_LOW, k_estimators, masked_quantiles
 from mismatch.metrics import (_clamped_np, _f64, _finite, _host, _k_np, _ndarray, _outside_np,
                               _quantiles_np)
 
 __all__ = ["Arm", "ARMS", "arm_named", "policy_loss", "group_advantages", "renormalize_over_support",
            "sc_tail_ratio"]
 
-_MAX_LOG_RATIO = 20.0  # keeps exp(r) finite for pathological tokens (e^20 ≈ 4.9e8)
 _INF = float("inf")
 _MIN_TAIL_MASS = 1e-6  # a tail below this is float noise: no tail (α = 0, ρ reported as 0);
 #                        it also floors 1 − Σ_H π so that ρ stays ≤ 1e6
@@ -188,7 +187,7 @@ def _token_weight(ratio: torch.Tensor, kind: str, low: float, high: float,
 
 def _ratio(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
     r = trainer_logprobs.detach().double() - sampler_logprobs.detach().double()
-    return torch.exp(r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    return torch.exp(r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -280,10 +279,10 @@ def policy_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torc
         r_counted = r[counted_np]
         if arm.weight != "one":
             np.copyto(r, 0.0, where=~counted_np)
-            ratio = torch.from_numpy(np.exp(np.clip(r, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)))
+            ratio = torch.from_numpy(np.exp(np.clip(r, -MAX_LOG_RATIO, MAX_LOG_RATIO)))
     else:
         r = torch.where(counted, lp.detach().double() - slp.double(), 0.0)   # (B, T) float64
-        ratio = torch.exp(r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        ratio = torch.exp(r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     objective = lp if arm.weight == "one" else weight(ratio).to(dt) * lp    # w = 1: the same bits
     if arm.centered:
         pi = torch.where(cand, clp.detach().double().exp(), 0)               # (B, T, K)

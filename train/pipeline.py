@@ -27,10 +27,11 @@ from collections import defaultdict
 
 import torch
 
+from mismatch.probes.base import TORCH_DTYPES
+
 from .batch import Unit
 from .config import TrainConfig
 from .fleet import Router, SamplerGroup
-from .rollout import COMPUTE_DTYPES
 from .sampling import model_at, sample_in_worker, sample_units, split_units
 
 __all__ = ["Publisher", "Pipeline"]
@@ -219,7 +220,7 @@ class Pipeline:
             return done
         for batch in batches:
             group = batch[0][1]
-            model = model_at(models, self._base, COMPUTE_DTYPES[group.spec.compute_dtype],
+            model = model_at(models, self._base, TORCH_DTYPES[group.spec.compute_dtype],
                              version, weights)
             t0 = time.perf_counter()
             eps = sample_units(model, self.tokenizer, self.cfg, group,

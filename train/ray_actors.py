@@ -29,13 +29,13 @@ from typing import Any
 import torch
 
 from mismatch.io import atomic_path
+from mismatch.probes.base import TORCH_DTYPES
 from mismatch.runtime import torch_threads
 
 from .batch import Unit
 from .config import TrainConfig
 from .fleet import SamplerGroup, fleet
 from .ray_session import ray_module
-from .rollout import COMPUTE_DTYPES
 from .rundir import check_ranks, save_checkpoint
 from .sampling import model_at, sample_units, split_units
 from .trainer import Trainer
@@ -117,7 +117,7 @@ class SamplerActor(_Process):
         """The units' episodes (weights: [the version's object reference], fetched only when the
         cached version differs) and the seconds spent sampling them."""
         ray = ray_module()
-        model = model_at(self.models, self.base, COMPUTE_DTYPES[self.group.spec.compute_dtype],
+        model = model_at(self.models, self.base, TORCH_DTYPES[self.group.spec.compute_dtype],
                          version, lambda: read_version(ray.get(weights[0])))
         with torch_threads(self.cfg.threads):  # the run's threads (Ray's for the actor otherwise)
             t0 = time.perf_counter()

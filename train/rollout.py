@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mismatch.probes.base import TORCH_DTYPES
 from mismatch.profiles import NumericsSpec
 
 from .fleet import SamplerGroup
 
-__all__ = ["Trajectory", "run_episodes", "COMPUTE_DTYPES"]
+__all__ = ["Trajectory", "run_episodes"]
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TURN_SEED = 1000  # seed stride between turns (one generate call per turn)
 
 
@@ -118,7 +118,7 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
         raise ValueError(f"{len(episode_seeds)} episode seeds for {len(tasks)} tasks")
     spec = group.spec
     dtype = next(model.parameters()).dtype
-    if dtype != COMPUTE_DTYPES[spec.compute_dtype]:
+    if dtype != TORCH_DTYPES[spec.compute_dtype]:
         raise ValueError(f"group {group.name} computes in {spec.compute_dtype}; the model is "
                          f"loaded in {dtype}")
     vocab = model.get_output_embeddings().weight.shape[0]

@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 
+from mismatch.probes.base import TORCH_DTYPES
+
 from .batch import Unit, task_of, unit_seed
 from .config import TrainConfig
 from .fleet import SamplerGroup
-from .rollout import COMPUTE_DTYPES, Trajectory, run_episodes
+from .rollout import Trajectory, run_episodes
 
 __all__ = ["model_at", "sample_units", "sample_in_worker", "split_units"]
 
@@ -61,7 +63,7 @@ def sample_in_worker(cfg: TrainConfig, group: SamplerGroup, units: list[int], ve
     state = worker_state()
     base, tokenizer = state["setup"]
     model = model_at(state.setdefault("models", {}), base,
-                     COMPUTE_DTYPES[group.spec.compute_dtype], version, weights)
+                     TORCH_DTYPES[group.spec.compute_dtype], version, weights)
     t0 = time.perf_counter()
     eps = sample_units(model, tokenizer, cfg, group, units, version)
     return eps, time.perf_counter() - t0
