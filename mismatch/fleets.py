@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mismatch.registry import add_once
+
 from .profiles import NumericsSpec, ProfileError, resolve
 
 __all__ = ["FleetGroup", "Fleet", "FLEETS", "register_fleet", "natural_pairs", "fleet_groups"]
@@ -95,10 +97,7 @@ FLEETS: dict[str, Fleet] = {}
 
 def register_fleet(fleet: Fleet) -> Fleet:
     """Add a fleet preset; a name may be registered once."""
-    if fleet.name in FLEETS:
-        raise ValueError(f"fleet {fleet.name!r} registered twice")
-    FLEETS[fleet.name] = fleet
-    return fleet
+    return add_once(FLEETS, fleet.name, fleet, "fleet")
 
 
 _MIXED = (("b200", "nvfp4"), ("b300", "nvfp4"), ("h100", "fp8"), ("h100", "bf16"),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from mismatch.quantize.precisions import KV_CACHE_CODECS, PRECISIONS
+from mismatch.registry import add_once
 
 __all__ = ["GPUS", "register_gpu", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec",
            "ProfileError", "resolve", "trainer_spec", "table", "TRAINER", "local_gpu",
@@ -70,10 +71,7 @@ GPUS: dict[str, GpuProfile] = {}
 
 def register_gpu(g: GpuProfile) -> GpuProfile:
     """Add a GPU profile; a name may be registered once."""
-    if g.name in GPUS:
-        raise ValueError(f"gpu profile {g.name!r} registered twice")
-    GPUS[g.name] = g
-    return g
+    return add_once(GPUS, g.name, g, "gpu profile")
 
 
 # Hopper's per-tensor FP8 GEMMs (cuBLAS / CUTLASS with use_fast_accum) never promote their

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mismatch.registry import add_once
+
 from .errors import QuantizeError
 
 __all__ = ["Accumulation", "ACCUMULATIONS", "register_accumulation", "KSlices", "resolve", "truncate_mantissa",
@@ -83,10 +85,7 @@ ACCUMULATIONS: dict[str, Accumulation] = {}
 
 def register_accumulation(a: Accumulation) -> Accumulation:
     """Add an accumulation preset; a name may be registered once."""
-    if a.name in ACCUMULATIONS:
-        raise ValueError(f"accumulation {a.name!r} registered twice")
-    ACCUMULATIONS[a.name] = a
-    return a
+    return add_once(ACCUMULATIONS, a.name, a, "accumulation")
 
 
 for _a in (

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mismatch.registry import add_once
+
 from .codecs import get_codec
 from .errors import QuantizeError
 from .precisions import PRECISIONS
@@ -47,11 +49,9 @@ CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {}
 
 
 def _register(fmt: CheckpointFormat) -> None:
-    if fmt.name in CHECKPOINT_FORMATS:
-        raise ValueError(f"checkpoint format {fmt.name!r} registered twice")
     if fmt.name not in PRECISIONS or PRECISIONS[fmt.name].checkpoint_codec is None:
         raise ValueError(f"checkpoint format {fmt.name!r}: no precision with a checkpoint codec")
-    CHECKPOINT_FORMATS[fmt.name] = fmt
+    add_once(CHECKPOINT_FORMATS, fmt.name, fmt, "checkpoint format")
 
 
 for _fmt in (

@@ -53,6 +53,8 @@ from typing import Literal
 
 import torch
 
+from mismatch.registry import add_once
+
 from .errors import QuantizeError
 from .formats import E2M1, E4M3, E5M2, FloatFormat, SignRule
 from .qtensor import QTensor
@@ -166,10 +168,7 @@ CODECS: dict[str, CodecSpec] = {}
 
 def register(spec: CodecSpec) -> CodecSpec:
     """Add a codec to the table; a name may be registered once."""
-    if spec.name in CODECS:
-        raise ValueError(f"codec {spec.name!r} registered twice")
-    CODECS[spec.name] = spec
-    return spec
+    return add_once(CODECS, spec.name, spec, "codec")
 
 
 for _spec in (

@@ -34,6 +34,8 @@ from typing import Literal
 
 import torch
 
+from mismatch.registry import add_once
+
 __all__ = [
     "FloatFormat",
     "FORMATS",
@@ -131,9 +133,7 @@ FORMATS: dict[str, FloatFormat] = {}
 
 
 def _register(fmt: FloatFormat) -> None:
-    if fmt.name in FORMATS:
-        raise ValueError(f"element format {fmt.name!r} registered twice")
-    FORMATS[fmt.name] = fmt
+    add_once(FORMATS, fmt.name, fmt, "element format")
 
 
 for _fmt in (E2M1, E4M3, E5M2):

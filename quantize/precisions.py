@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mismatch.registry import add_once
+
 from .codecs import CodecSpec, get_codec
 from .errors import QuantizeError
 
@@ -100,10 +102,7 @@ PRECISIONS: dict[str, Precision] = {}
 
 def register_precision(p: Precision) -> Precision:
     """Add a precision to the table; a name may be registered once."""
-    if p.name in PRECISIONS:
-        raise ValueError(f"precision {p.name!r} registered twice")
-    PRECISIONS[p.name] = p
-    return p
+    return add_once(PRECISIONS, p.name, p, "precision")
 
 
 for _p in (

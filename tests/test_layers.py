@@ -1,8 +1,8 @@
 """The architecture as a test: installed names live under `mismatch.*`, every package folder is
 installed, and no module imports from a layer above its own (README, Architecture).
 
-Layers, bottom to top: foundation (mismatch.io, mismatch.runtime) → quantize → core (engines,
-zoo, metrics, kernels, records, profiles, fleets, remote clients) → probes (source probes and
+Layers, bottom to top: foundation (mismatch.io, mismatch.runtime, mismatch.registry) →
+quantize → core (engines, zoo, metrics, kernels, records, profiles, fleets, remote clients) → probes (source probes and
 the monitor) → train → applications (mismatch.app, integrations) → the CLI. Imports are read with `ast`, so a lazy import inside a
 function counts as much as one at the top of the file.
 """
@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"mismatch": "mismatch", "quantize": "mismatch.quantize", "probes": "mismatch.probes",
            "train": "mismatch.train"}
 LAYERS = ("foundation", "quantize", "core", "probes", "train", "app", "cli")
-FOUNDATION = ("mismatch.io", "mismatch.runtime")
-"""Writing files atomically and process settings: import nothing of the project."""
+FOUNDATION = ("mismatch.io", "mismatch.runtime", "mismatch.registry")
+"""Writing files atomically, process settings and the registries' one rule: import nothing of
+the project."""
 
 
 def _module(path: Path) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from mismatch.fleets import FLEETS as FLEET_PRESETS
+from mismatch.registry import table_of
 
 from .loss import ARMS
 
@@ -193,12 +194,7 @@ def smoke() -> TrainConfig:
 
 
 def _registry(*presets: Callable[[], TrainConfig]) -> dict[str, Callable[[], TrainConfig]]:
-    out: dict[str, Callable[[], TrainConfig]] = {}
-    for fn in presets:
-        if fn.__name__ in out:
-            raise ValueError(f"run preset {fn.__name__!r} registered twice")
-        out[fn.__name__] = fn
-    return out
+    return table_of(presets, lambda fn: fn.__name__, "run preset")
 
 
 RUN_PRESETS: dict[str, Callable[[], TrainConfig]] = _registry(homogeneous, precision, mixed,

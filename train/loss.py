@@ -48,6 +48,7 @@ import torch
 from mismatch.metrics import MAX_LOG_RATIO, MIS_HIGH, MIS_LOW, k_estimators, masked_quantiles
 from mismatch.metrics import (_clamped_np, _f64, _finite, _host, _k_np, _ndarray, _outside_np,
                               _quantiles_np)
+from mismatch.registry import table_of
 
 __all__ = ["Arm", "ARMS", "arm_named", "policy_loss", "group_advantages", "renormalize_over_support",
            "sc_tail_ratio"]
@@ -93,12 +94,7 @@ class Arm:
 
 
 def _registry(*arms: Arm) -> dict[str, Arm]:
-    out: dict[str, Arm] = {}
-    for arm in arms:
-        if arm.name in out:
-            raise ValueError(f"arm {arm.name!r} registered twice")
-        out[arm.name] = arm
-    return out
+    return table_of(arms, lambda arm: arm.name, "arm")
 
 
 # every arm states its band and cap; today all share MIS_LOW, MIS_HIGH and _TIS_CAP (IcePop is

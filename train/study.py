@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mismatch.io import atomic_write_text
+from mismatch.registry import table_of
 from mismatch.runtime import child_setup, core_slots, parent_death_signal
 
 from .study_logs import ADOPTED, adopt_logs, export_logs, steps_logged
@@ -166,12 +167,7 @@ def ci() -> StudyConfig:
 
 
 def _registry(*presets: Callable[[], StudyConfig]) -> dict[str, Callable[[], StudyConfig]]:
-    out: dict[str, Callable[[], StudyConfig]] = {}
-    for fn in presets:
-        if fn.__name__ in out:
-            raise ValueError(f"study preset {fn.__name__!r} registered twice")
-        out[fn.__name__] = fn
-    return out
+    return table_of(presets, lambda fn: fn.__name__, "study preset")
 
 
 STUDY_PRESETS: dict[str, Callable[[], StudyConfig]] = _registry(full, edge, ci)

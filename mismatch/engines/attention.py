@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from mismatch.quantize.formats import E4M3_MAX
+from mismatch.registry import add_once
 
 # A query row with every key masked has softmax sum 0 (and output 0): dividing by the smallest
 # normal FP32 instead keeps it 0 rather than NaN, and changes no row with a positive sum.
@@ -58,9 +59,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {}
 
 
 def _register_family(k: KernelFamily) -> None:
-    if k.name in KERNEL_FAMILIES:
-        raise ValueError(f"attention kernel family {k.name!r} registered twice")
-    KERNEL_FAMILIES[k.name] = k
+    add_once(KERNEL_FAMILIES, k.name, k, "attention kernel family")
 
 
 for _k in (
