@@ -18,9 +18,9 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["OUTPUT_MARKER", "atomic_directory", "atomic_path", "atomic_write_bytes",
-           "atomic_write_text", "check_output_dir", "check_writable_dir", "mark_output",
-           "replace_directory", "save_figure"]
+__all__ = ["OUTPUT_MARKER", "atomic_directory", "atomic_path", "atomic_write_text",
+           "check_output_dir", "check_writable_dir", "mark_output", "replace_directory",
+           "save_figure"]
 
 OUTPUT_MARKER = ".mismatch-output"
 """A file in every directory a command writes whole (probe, qualify): the command's name. A rerun
@@ -50,13 +50,6 @@ def atomic_write_text(path: Path, text: str) -> Path:
     """Write `text` to `path` through a temporary sibling and a rename."""
     with atomic_path(path) as tmp:
         tmp.write_text(text)
-    return Path(path)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> Path:
-    """Write `data` to `path` through a temporary sibling and a rename."""
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
     return Path(path)
 
 

@@ -34,9 +34,8 @@ from typing import Literal
 from mismatch.registry import add_once
 
 from .codecs import CodecSpec, get_codec
-from .errors import QuantizeError
 
-__all__ = ["Precision", "PRECISIONS", "register_precision", "get_precision", "KV_CACHE_CODECS"]
+__all__ = ["Precision", "PRECISIONS", "register_precision", "KV_CACHE_CODECS"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,13 +120,6 @@ for _p in (
               checkpoint_codec="mxfp4-modelopt"),
 ):
     register_precision(_p)
-
-
-def get_precision(name: str) -> Precision:
-    try:
-        return PRECISIONS[name]
-    except KeyError:
-        raise QuantizeError(f"unknown precision {name!r}; valid: {', '.join(PRECISIONS)}") from None
 
 
 KV_CACHE_CODECS: dict[str, str | None] = {"bf16": None, "fp8": "fp8-act"}
