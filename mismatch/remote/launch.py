@@ -1,4 +1,6 @@
-"""Starting a real vLLM server (its CPU build) on 127.0.0.1, for the engine tests and `qualify`.
+"""Starting a real vLLM server (its CPU build) on 127.0.0.1, for the engine tests and the report
+script that qualifies a live server (scripts/make_qualify_vllm_report.py); `mismatch qualify
+--sampler URL` itself connects to a server you started and launches nothing.
 
     with vllm_server() as url:           # the embedded model; url = "http://127.0.0.1:PORT"
         ...                              # POST {url}/v1/completions, {url}/tokenize, ...

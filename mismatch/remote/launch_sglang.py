@@ -1,4 +1,5 @@
-"""Starting a real SGLang server on this CPU (127.0.0.1), for the engine tests and `qualify`.
+"""Starting a real SGLang server on this CPU (127.0.0.1), for the engine tests; `mismatch qualify
+--sampler URL` itself connects to a server you started and launches nothing.
 
     with sglang_server(model_dir) as url:   # url = "http://127.0.0.1:PORT"
         ...                                  # POST {url}/generate, {url}/tokenize, ...
