@@ -32,6 +32,7 @@ import torch
 
 from .bootstrap import bootstrap_ci
 from .exact_kl import exact_kl, second_order
+from .quantiles import _quantiles_np
 
 __all__ = [
     "MIS_LOW",
@@ -148,36 +149,6 @@ def _counted(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
     r = log_ratio(trainer_logprobs, sampler_logprobs)
     counted = m & (r.abs() < _INF)
     return torch.where(counted, r, 0.0), counted, m
-
-
-def _order_stats(a: np.ndarray, ranks: list[int]) -> dict[int, float]:
-    """{k: the k-th smallest value of the 1-D ndarray `a`} for the 0-based ranks asked; `a` is
-    reordered in place. One rank (and its successor) by a selection, np.partition's introselect
-    in O(n), the successor being the least value above it; more ranks by one sort."""
-    ks = sorted(set(ranks))
-    if ks[-1] - ks[0] <= 1:
-        k = ks[0]
-        a.partition(k)
-        found = {k: a[k]}
-        if len(ks) == 2:
-            found[k + 1] = a[k + 1:].min()
-        return found
-    a.sort()
-    return {k: a[k] for k in ks}
-
-
-def _quantiles_np(a: np.ndarray, q: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.quantile(torch.from_numpy(a), q) bit for bit: a 1-D ndarray of finite values
-    (reordered in place). The ranks, weights and `lerp` are torch.quantile's own, in `dtype`."""
-    n = a.size
-    if n == 0:
-        return torch.full((len(q),), _NAN, dtype=dtype)
-    ranks = torch.tensor(q, dtype=dtype) * (n - 1)
-    below, above = ranks.long(), ranks.ceil().long()
-    at = _order_stats(a, below.tolist() + above.tolist())
-    lo = torch.tensor([at[k] for k in below.tolist()], dtype=dtype)
-    hi = torch.tensor([at[k] for k in above.tolist()], dtype=dtype)
-    return torch.lerp(lo, hi, ranks - below)
 
 
 def masked_quantiles(x: torch.Tensor, valid: torch.Tensor, q: tuple[float, ...]) -> torch.Tensor:
