@@ -7,7 +7,7 @@ study's three fleets, one row each of `FLEETS`:
     fleet        level  groups
     homogeneous  L0     B200 BF16, BF16 KV (the trainer's numerics up to the kernels: control)
     precision    L1     B200 W4A16-NVFP4 (NVFP4 weights, BF16 activations), FP8 KV
-    mixed        L2     the study's mixed samplers (reference/modal-post-mixed-samplers.txt):
+    mixed        L2     the study's mixed samplers (docs/study.md):
                         B200 and B300 NVFP4; H100 and H200 FP8 and BF16; A100 and RTX PRO 6000
                         BF16; every group with an FP8 KV cache
 

@@ -3,7 +3,10 @@
 `resolve(gpu, dtype, kv_cache)` turns a user's (GPU, precision) into a `NumericsSpec`: which codec
 the weights are stored in, what the activations are quantized to before the GEMM (if anything),
 the accumulation model of the GEMM, the KV-cache format and the attention kernel family. The facts
-are NUMERICS.md §2 (and the public serving stacks it summarizes):
+come from the serving stacks' own documentation (vLLM's "Supported Hardware" table for
+quantization, docs.vllm.ai/en/latest/features/quantization/supported_hardware.html, and its Marlin
+kernels; NVIDIA's "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference", 2025)
+and from DeepSeek-V3's account of Hopper FP8 accumulation (arXiv:2412.19437, §3.3.2):
 
 - A100 (sm80) has no tensor cores below BF16/FP16: an FP8 or NVFP4/MXFP4 checkpoint runs as a
   Marlin weight-only kernel (weights dequantized to BF16 in registers, activations BF16).
@@ -75,7 +78,8 @@ def register_gpu(g: GpuProfile) -> GpuProfile:
 
 
 # Hopper's per-tensor FP8 GEMMs (cuBLAS / CUTLASS with use_fast_accum) never promote their
-# partial sums to FP32; block-scaled FP8 kernels promote every 128 K-elements (NUMERICS.md §2).
+# partial sums to FP32; block-scaled FP8 kernels promote every 128 K-elements (DeepSeek-V3,
+# arXiv:2412.19437, §3.3.2, "Increasing Accumulation Precision").
 _HOPPER_FAST = (("fp8", "hopper-fp8-fast"),)
 
 for _g in (

@@ -24,7 +24,8 @@ reference attention, GEMMs with one FP32 sum, router logits in the compute dtype
     combined     the target GPU's sampler at the trainer precision (decode path, its attention
                  family, batched as sampled) vs the trainer: what kernels alone cost on that GPU
 
-Published magnitude (NUMERICS.md §3): KL ~1e-3 at the same precision on large models, 0 with
+Published magnitude (He et al., "Defeating Nondeterminism in LLM Inference", Thinking Machines
+Lab, 2025): KL ~1e-3 between sampler and trainer at the same precision on large models, 0 with
 batch-invariant kernels. On a 2M-parameter model with short contexts the figures are far smaller.
 """
 

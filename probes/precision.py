@@ -14,8 +14,8 @@ GEMM sums). Each stage is compared with the trainer on the shared tokens:
 
 Where the target GPU accumulates a format's GEMMs in its own way it is used: FP8 W8A8 per-tensor
 on Hopper (sm90) runs the fast-accumulation model (quantize/accumulate.py); elsewhere, and for
-block-scaled FP8 (whose kernels promote to FP32 every 128 K-elements, NUMERICS.md §2), the sums are
-FP32. The headline is the target configuration's own formats (`--dtype`, `--kv-cache`), on every
+block-scaled FP8 (whose kernels promote to FP32 every 128 K-elements: DeepSeek-V3,
+arXiv:2412.19437, §3.3.2), the sums are FP32. The headline is the target configuration's own formats (`--dtype`, `--kv-cache`), on every
 prompt; the grid of formats and stages runs on the first `--subset-prompts`.
 """
 

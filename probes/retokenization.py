@@ -150,7 +150,7 @@ def _notes(a: dict, b: dict | None, render: Render, parts: dict) -> list[str]:
             f"at the length cap or a tool call not in the template's JSON spelling changes the "
             f"context. The next question is a user message and drops the reasoning of every turn "
             f"before it: that is how every multi-turn rollout diverges under the stock Qwen3 "
-            f"template (NUMERICS.md §3).")
+            f"template.")
         notes.append(
             f"The embedded model was trained on single-question episodes only: a second question "
             f"in the same chat is outside its training distribution (nudges in "

@@ -12,8 +12,8 @@ each router is forced to the sampler's experts (keeping its own gate probabiliti
 routing replay, engines/routing.py). The difference is routing's share of the mismatch; what
 remains with replay is the mismatch that is not due to routing.
 
-Published magnitudes (NUMERICS.md §3): ~10% of router decisions differ, 94% of tokens differ
-in at least one layer (a 48-layer model), and KL 1.5e-3 → 7.5e-4 with routing replay.
+Published magnitudes (R3, Ma et al. 2025, arXiv:2510.11370): ~10% of router decisions differ,
+94% of tokens differ in at least one layer (a 48-layer model), and KL 1.5e-3 → 7.5e-4 with routing replay.
 """
 
 from __future__ import annotations

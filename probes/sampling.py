@@ -15,7 +15,7 @@ and three comparisons with the trainer:
                   the numerics alone
     processed     trainer raw log π vs the processed log μ_p the sampler drew from (what an
                   engine reports as "processed log-probs", and the true sampling distribution):
-                  bias −log μ(S) ≤ −log p per token (NUMERICS.md §3: 0.03 at p = 0.97)
+                  bias −log μ(S) ≤ −log p per token (−log 0.97 ≈ 0.03 at p = 0.97)
     mask_replay   the trainer renormalized over S (top-p mask replay) vs μ_p: the support
                   mismatch removed
 

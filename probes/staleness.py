@@ -26,8 +26,8 @@ numerics held fixed so that only the weights differ:
    top for the total an asynchronous sampler sees. With common seeds most batches of
    neighbouring lags draw identical tokens; the trainer's scores of those are computed once.
 
-What to expect. Published magnitude (NUMERICS.md §3): "KL 0.002 at staleness 0 → ~0.01 at ~2
-steps (one public dashboard)" — a large model at its own learning rate, with the numerics
+What to expect. A reported magnitude (one public training dashboard; no paper): "KL 0.002 at
+staleness 0 → ~0.01 at ~2 steps" — a large model at its own learning rate, with the numerics
 mismatch included at staleness 0 (here lag 0 is 0 by construction). The embedded 2M-parameter
 model at lr 1e-5 gives KL ~1e-5 per token that need not grow with the lag: the FP32 masters
 drift steadily apart, but the served BF16 casts change only where a master crosses a rounding

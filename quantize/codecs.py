@@ -25,7 +25,7 @@ MXFP4 (OCP Microscaling v1.0: 32 E2M1 elements share one E8M0 power-of-two scale
                  mxfp4_tensor.py): exponent = ceil(float32 log2(amax/6)), elements rounded with
                  ties toward zero (0.75→0.5, 1.75→1.5, 3.5→3), and zero stored as 0x8 (−0).
 NVFP4 (16 E2M1 elements share one E4M3 scale; one FP32 scale per tensor)
-  nvfp4          weights in modelopt's order (NUMERICS.md §1.1; nvfp4_tensor.py):
+  nvfp4          weights in modelopt's order (modelopt 0.47, nvfp4_tensor.py):
                  s2 = amax/(6·448); s = amax_block/(6·s2), 0→1, clamp [2⁻⁹, 448], to E4M3;
                  q = E2M1(x / (float(s)·s2)), RNE; sign bit only for x < 0.
   w4a16-nvfp4    the same weight storage (W4A16: activations stay BF16; Marlin on Hopper/Ampere).

@@ -11,8 +11,8 @@ the current policy θ_j — the served-dtype cast of the master, decoded by the 
 the trainer numerics. Reward: 1 when the first reply is a well-formed `calc` call whose
 expression the tool evaluates to the value of the task's gold first expression, else 0 (the
 first step of the episode in `mismatch.zoo.episode`; the final `submit` reward needs that value).
-Advantages are group-normalized without std normalization (NUMERICS.md §5's GRPO baseline); the
-loss is the token-level mean −A·log π(y_t) over the batch's completion tokens, computed on the
+Advantages are group-normalized without std normalization (the study's GRPO baseline, as in
+Dr. GRPO: Liu et al., arXiv:2503.20783); the loss is the token-level mean −A·log π(y_t) over the batch's completion tokens, computed on the
 FP32 master (rows with zero advantage add exactly nothing to it and are not run). A batch in
 which every group's rewards are equal carries no gradient; it is replaced by a fresh batch of
 prompts, `MAX_DRAWS` batches at most (a coarse form of DAPO's dynamic sampling), after which the

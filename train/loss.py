@@ -1,4 +1,5 @@
-"""The policy-gradient loss of the corrected asynchronous trainer (NUMERICS.md §5).
+"""The policy-gradient loss of the corrected asynchronous trainer (the reference study's arms,
+docs/study.md).
 
 Dims: B sequences, T positions, K candidates per position, G groups of n samples. The sampler μ
 drew token y at each position; the trainer re-scores it as π(y). Every arm minimizes

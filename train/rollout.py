@@ -11,7 +11,7 @@ ever decoded and re-encoded, so the trainer scores exactly the sequence the samp
 Each `Trajectory` carries, per sampled token, the sampler's raw log-prob (temperature 1, full
 vocabulary: what log π is compared with), its top-k candidates (k = 128 by default) with the
 flags of those inside the distribution actually sampled from (the top-p support when the sampler
-draws from a nucleus: p = 0.97 capped at 64 tokens in the study, NUMERICS.md §5), the weight
+draws from a nucleus: p = 0.97 capped at 64 tokens in the study, docs/study.md), the weight
 version that generated it, and the experts each MoE layer routed every position to.
 """
 

@@ -336,7 +336,7 @@ def fleet_markdown(summary: dict, command: str, plot: str | None = None) -> str:
     out = ["# The study's mixed sampler fleet against a BF16 trainer (EMULATED)", "",
            f"Command: `{command}`", "",
            "Each group serves with its GPU's own kernels and an FP8 KV cache "
-           "(reference/modal-post-mixed-samplers.txt); the trainer is the BF16 teacher-forced "
+           "(as in the reference study, docs/study.md); the trainer is the BF16 teacher-forced "
            f"forward. Model: {summary['model']}. All groups score the same sampled tokens; "
            "KL exact is the full-vocabulary KL(group ‖ trainer) per position, with a 95% BCa "
            "bootstrap interval over sequences.", "",

@@ -7,7 +7,7 @@ assistant turn, and hands the text to `episode.step`. The environment then
 - ends the episode on a `submit` call, scoring it with `tasks.reward` (1 correct, 0 otherwise);
 - answers a reply without a well-formed tool call with a user nudge (`NUDGE`) and ends the
   episode after `max_format_errors` such replies in a row — the collapse signature of
-  NUMERICS.md §5 ("three replies in a row without a tool call");
+  the reference study (docs/study.md: "three replies in a row without a tool call");
 - ends the episode after `max_turns` assistant turns.
 
 A nudge is a user message, so under the default (Qwen3) rendering the reasoning of every earlier

@@ -1,6 +1,6 @@
 """The live collapse monitor: a training run's metrics in, debounced alerts out.
 
-The study's collapse signature (../shared/NUMERICS.md §5): the training reward falls, the
+The reference study's collapse signature (docs/study.md): the training reward falls, the
 sampler–trainer KL grows 3× or more, and most episodes end on repeated format errors. The
 monitor watches for it step by step, inside the trainer (train/trainer.py) or over a metrics log
 (`mismatch monitor FILE`, mismatch/cli/monitor.py), and tells the sinks.

@@ -94,7 +94,7 @@ def default_rules() -> dict[str, SignalRule]:
       format errors should have fired). Smoothed over 5 steps: a batch's mean reward is noisy.
       The fall is a fraction of the peak, so the reward must be non-negative (0/1 pass rates).
     - sc_tail_ratio: the SC tail ratio was ~1.2 in stable runs and rose to 52 when SC alone
-      collapsed (NUMERICS §5): 2× is a warning, 5× is out of anything a stable run showed.
+      collapsed (the reference study, docs/study.md): 2× is a warning, 5× is out of anything a stable run showed.
     - mis_masked_fraction: moves with the KL (2× / 3×), but only above the 1% that `qualify`'s
       default policy allows (below it, MIS wastes little whatever the ratio).
     - nonfinite_tokens: log-probs that are NaN or ±inf at unmasked positions (the trainer's

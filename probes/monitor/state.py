@@ -1,6 +1,6 @@
 """The collapse monitor's state machine: one record per training step in, debounced alerts out.
 
-The study's collapse signature (../shared/NUMERICS.md §5, reference/modal-post-mixed-samplers.txt):
+The reference study's collapse signature (docs/study.md, docs/monitor-rules.md):
 the training reward falls, the sampler–trainer KL grows 3× or more, and most episodes end on
 repeated format errors (three replies in a row without a tool call end the episode; at the
 collapsed checkpoint 62% did). `CollapseMonitor.update(record)` takes one training step's metrics
