@@ -37,12 +37,9 @@ SHAPES = [(128, 256, 256), (512, 64, 512), (2048, 128, 768), (1024, 1024, 1024)]
 
 
 def _rate(fn, seconds: float = 0.3) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    return n / (time.perf_counter() - t0)
+    from mismatch.kernels.bf16_gemm import calls_per_second
+
+    return calls_per_second(fn, seconds)
 
 
 def gemms() -> list[str]:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["BF16_GEMM_ENV", "BF16_GEMM_MODES", "bf16_gemm_policy", "cpu_has_fast_bf16",
-           "bf16_gemms", "bf16_module_gemms", "FP32Accumulation"]
+           "bf16_gemms", "bf16_module_gemms", "FP32Accumulation", "calls_per_second"]
 
 BF16_GEMM_ENV = "MISMATCH_BF16_GEMM"
 BF16_GEMM_MODES = ("auto", "fp32", "native")
@@ -65,21 +65,22 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
+def calls_per_second(fn, seconds: float) -> float:
+    """How many times a second `fn()` runs, over `seconds` after one warm-up call."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
 def _benchmark_prefers_native(size: int = 256, seconds: float = 0.05) -> bool:
     """Whether torch's native BF16 GEMM beats FP32 on this CPU (one-thread micro-benchmark)."""
     a = torch.randn(size, size).to(_BF16)
     b = torch.randn(size, size).to(_BF16)
-
-    def rate(fn) -> float:
-        fn()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            fn()
-            n += 1
-        return n / (time.perf_counter() - t0)
-
-    native = rate(lambda: a @ b)
-    fp32 = rate(lambda: (a.float() @ b.float()).to(_BF16))
+    native = calls_per_second(lambda: a @ b, seconds)
+    fp32 = calls_per_second(lambda: (a.float() @ b.float()).to(_BF16), seconds)
     return native >= fp32
 
 
@@ -100,6 +101,14 @@ def bf16_gemm_policy() -> str:
     if mode == "auto":
         return "native" if cpu_has_fast_bf16() else "fp32"
     return mode
+
+
+def _policy(policy: str | None, who: str) -> str:
+    """`policy`, or this process's when None; ValueError unless 'fp32' or 'native'."""
+    policy = bf16_gemm_policy() if policy is None else policy
+    if policy not in ("fp32", "native"):
+        raise ValueError(f"{who}: policy {policy!r} is not 'fp32' or 'native'")
+    return policy
 
 
 def _up(x):
@@ -132,9 +141,7 @@ def bf16_gemms(policy: str | None = None) -> Iterator[bool]:
     """Run the block's BF16 CPU GEMMs as FP32 GEMMs of BF16 values where the CPU's BF16 GEMM is
     slow (`policy`: 'fp32' or 'native'; default `bf16_gemm_policy()`). Yields whether it
     reroutes. Nested use is free: an enclosing block already rerouting is kept."""
-    policy = bf16_gemm_policy() if policy is None else policy
-    if policy not in ("fp32", "native"):
-        raise ValueError(f"bf16_gemms: policy {policy!r} is not 'fp32' or 'native'")
+    policy = _policy(policy, "bf16_gemms")
     if policy == "native" or _active():
         yield policy == "fp32"
         return
@@ -172,9 +179,7 @@ def bf16_module_gemms(model: torch.nn.Module, policy: str | None = None) -> Iter
     BF16 expert weights (a fused MoE) runs its forward under `FP32Accumulation`. Modules that
     already carry an instance-level forward (the numerics emulation's) are left alone. Yields
     whether it reroutes."""
-    policy = bf16_gemm_policy() if policy is None else policy
-    if policy not in ("fp32", "native"):
-        raise ValueError(f"bf16_module_gemms: policy {policy!r} is not 'fp32' or 'native'")
+    policy = _policy(policy, "bf16_module_gemms")
     if policy == "native" or _active():
         yield policy == "fp32"
         return
