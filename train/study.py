@@ -55,10 +55,11 @@ file's stem."""
 
 def fleet_of(name: str) -> str:
     """What `mismatch train` trains a study fleet on: its preset (L0–L2), or the fleet file's
-    absolute path. Raises ValueError with one line for anything else."""
+    absolute path. Raises ValueError with one line for anything else (`StudyConfig` also parses
+    each fleet file once, when the grid is made)."""
     if name in FLEETS:
         return FLEETS[name]
-    from .fleet import fleet_file, is_fleet_file
+    from .fleet import is_fleet_file
 
     if not is_fleet_file(name):
         raise ValueError(f"unknown fleet {name!r}; fleets: {', '.join(FLEETS)} or a fleet file "
@@ -67,13 +68,14 @@ def fleet_of(name: str) -> str:
     if not path.is_file():
         raise ValueError(f"fleet file {name} does not exist; `mismatch plan ... --out DIR` "
                          f"writes DIR/fleet.toml")
-    fleet_file(str(path))  # parses, or one line on what is wrong
     return str(path)
 
 
 def fleet_label(name: str) -> str:
     """A study fleet's name in run folders and tables: L0–L2, or a fleet file's stem."""
     return name if name in FLEETS else Path(name).stem
+
+
 ARMS = {"grpo": "grpo", "mis": "mis", "sc": "sc", "sc+mis": "sc+mis", "grpo+topp": "topp",
         "sc+mis+topp": "sc+mis+topp"}
 """Study arm name → train.loss arm."""
@@ -107,8 +109,11 @@ class StudyConfig:
     after the last (0: none)."""
 
     def __post_init__(self) -> None:
-        for f in (*self.fleets, *self.sync_fleets):
-            fleet_of(f)
+        for f in dict.fromkeys((*self.fleets, *self.sync_fleets)):
+            if f not in FLEETS:
+                from .fleet import fleet_file
+
+                fleet_file(fleet_of(f))  # parses, or one line on what is wrong
         labels = [fleet_label(f) for f in dict.fromkeys((*self.fleets, *self.sync_fleets))]
         if len(set(labels)) != len(labels):
             raise ValueError(f"two fleets share a name ({', '.join(labels)}): rename a fleet "
