@@ -16,6 +16,11 @@ side by side in one run (these machines are noisy: only ratios measured together
 4. Asynchronous vs `--sync` steps per minute, both with sampler processes (goal ≥ 1.5×).
 
     python scripts/bench_rollouts.py --baseline-tree DIR [--steps 3] [--report FILE]
+        [--sections steps,decode,async]
+
+The first line is the CPU's model and vector extensions (whether it has fast BF16). Section
+`steps` also gives the mixed / homogeneous step ratio of each tree (goal ≤ 1.3×: a mixed fleet's
+groups share one engine batch, mismatch.engines.lanes).
 
 Every figure is printed in one table and, with --report, appended to that file with the command
 and date.
@@ -37,6 +42,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_metrics import cpu_line  # noqa: E402
+
+SECTIONS = ("steps", "decode", "async")
 TRAIN = ["--prompts", "16", "--samples", "8", "--tasks", "arith", "--eval-tasks",
          "0", "--correction", "grpo", "--threads", "1", "-q"]
 
@@ -164,28 +173,39 @@ def main() -> None:
                     help="a checkout of the code to compare with (git worktree add DIR REV)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--report", type=Path, default=None)
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)")
     args = ap.parse_args()
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if not sections or any(x not in SECTIONS for x in sections):
+        raise SystemExit(f"bench_rollouts: --sections takes some of {', '.join(SECTIONS)}; "
+                         f"got {args.sections!r}")
     torch.set_num_threads(1)
     from mismatch.runtime import tune_allocator
 
     tune_allocator()
-    lines = [f"# torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
+    lines = [f"# {cpu_line()}",
+             f"# torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
              f"{os.getloadavg()[0]:.1f}; train: {' '.join(TRAIN)} --steps {args.steps}"]
 
     def say(text: str) -> None:
         print(text, flush=True)
         lines.append(text)
 
-    say(f"{'step (median of steps 2..)':34} {'baseline s':>11} {'this tree s':>12} "
-        f"{'speed-up':>9} {'floor s':>8} {'step/floor':>11}")
+    for line in lines:
+        print(line, flush=True)
+
     from mismatch.zoo import load_model, load_tokenizer
 
     model, tok = load_model(dtype="bfloat16"), load_tokenizer()
-    step_runs = {}
-    for preset in ("homogeneous", "mixed"):
+    step_runs, old_runs = {}, {}
+    if "steps" in sections:
+        say(f"{'step (median of steps 2..)':34} {'baseline s':>11} {'this tree s':>12} "
+            f"{'speed-up':>9} {'floor s':>8} {'step/floor':>11}")
+    for preset in ("homogeneous", "mixed") if "steps" in sections else ():
         old = train_steps(args.baseline_tree, preset, args.steps, ["--sync"])
         new = train_steps(ROOT, preset, args.steps, ["--sync"])
-        step_runs[preset] = new
+        step_runs[preset], old_runs[preset] = new, old
         episodes = 16 * 8
         per_row = max(1, round(new["tokens"] / episodes))
         decode_s = bare_decode(model, _prompts(tok, episodes), per_row)
@@ -196,6 +216,26 @@ def main() -> None:
         say(f"{'  of which training (train_seconds)':34} {old['train']:11.2f} "
             f"{new['train']:12.2f} {old['train'] / new['train']:8.2f}x")
 
+    if "steps" in sections:
+        say(f"{'mixed / homogeneous step':34} "
+            f"{old_runs['mixed']['step'] / old_runs['homogeneous']['step']:10.2f}x "
+            f"{step_runs['mixed']['step'] / step_runs['homogeneous']['step']:11.2f}x")
+    if "decode" in sections:
+        decode_section(model, tok, say)
+    if "async" in sections:
+        sync = step_runs.get("homogeneous") or train_steps(ROOT, "homogeneous", args.steps,
+                                                           ["--sync"])
+        async_section(sync, args.steps, say)
+    if args.report:
+        stamp = datetime.date.today().isoformat()
+        cmd = "python scripts/bench_rollouts.py " + " ".join(sys.argv[1:])
+        block = (f"\n## Rollout engine and training step ({stamp})\n\nCommand: `{cmd}`\n\n```\n"
+                 + "\n".join(lines) + "\n```\n")
+        with open(args.report, "a") as fh:
+            fh.write(block)
+
+
+def decode_section(model, tok, say) -> None:
     prompts = _prompts(tok, 128)
     loop = bare_decode(model, prompts, 64)
     loop_tokens = 128 * 64
@@ -215,21 +255,15 @@ def main() -> None:
     say(f"{'nvfp4 / bf16 (emulated) time':34} "
         f"{results['engine, emulated b200 nvfp4'] / results['engine, emulated b200 bf16']:11.2f}x")
 
+
+def async_section(sync: dict, steps: int, say) -> None:
     say("")
-    sync = step_runs["homogeneous"]
-    asyn = train_steps(ROOT, "homogeneous", args.steps + 1, [])
+    asyn = train_steps(ROOT, "homogeneous", steps + 1, [])
     say(f"{'homogeneous 16x8, processes':34} {'steps/min':>11}")
     sync_rate = 60.0 / sync["step"]
     asyn_rate = 60.0 / asyn["step"]
     say(f"{'--sync':34} {sync_rate:11.2f}")
     say(f"{'asynchronous':34} {asyn_rate:11.2f}   async/sync {asyn_rate / sync_rate:.2f}x")
-    if args.report:
-        stamp = datetime.date.today().isoformat()
-        cmd = "python scripts/bench_rollouts.py " + " ".join(sys.argv[1:])
-        block = (f"\n## Rollout engine and training step ({stamp})\n\nCommand: `{cmd}`\n\n```\n"
-                 + "\n".join(lines) + "\n```\n")
-        with open(args.report, "a") as fh:
-            fh.write(block)
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def _one_unit(model, tok):
     cfg = preset_config("mixed", tasks="arith,table")
     group = fleet("mixed")[0]
     eps = sample_units(model.eval(), tok, cfg, group, [0], 0)
-    return split_units(eps, [(0, None)], group.name, 0, 0.0, cfg.samples_per_prompt)[0]
+    return split_units(eps, [(0, group)], 0, 0.0, cfg.samples_per_prompt)[0]
 
 
 if __name__ == "__main__":

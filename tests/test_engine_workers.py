@@ -99,7 +99,9 @@ def _kill_when_written(marker: Path) -> None:
 @pytest.mark.slow
 def test_training_through_sampler_processes_matches_in_process_sampling(tmp_path):
     """Two sync steps on the mixed fleet: the same episodes, losses and metrics whether the
-    samplers run in this process (one thread) or in two worker processes."""
+    samplers run in this process (one thread: the step's units in one batch) or in two worker
+    processes (half the units each). The batches differ in composition, which moves log-probs
+    in their last bits only (mismatch.engines.engine: batch invariance)."""
     from mismatch.train.config import TrainConfig
     from mismatch.train.loop import run
     from mismatch.train.rundir import read_metrics
@@ -111,8 +113,12 @@ def test_training_through_sampler_processes_matches_in_process_sampling(tmp_path
                           candidates=16, sampler_processes=n, checkpoint_every=5, threads=1)
         run(cfg, tmp_path / f"p{n}", log_alerts=False)
         records[n] = read_metrics(tmp_path / f"p{n}" / "metrics.jsonl")
-    keys = ("loss", "kl", "kl_k1", "entropy", "sampled_tokens", "reward", "grad_norm",
-            "group_kl", "end_reasons")
-    assert [{k: r[k] for k in keys} for r in records[0]] == \
-        [{k: r[k] for k in keys} for r in records[2]]
+    exact = ("sampled_tokens", "reward", "end_reasons")
+    assert [{k: r[k] for k in exact} for r in records[0]] == \
+        [{k: r[k] for k in exact} for r in records[2]]
+    close = ("loss", "kl", "kl_k1", "entropy", "grad_norm")
+    for a, b in zip(records[0], records[2]):
+        assert {k: a[k] for k in close} == pytest.approx({k: b[k] for k in close}, rel=1e-5,
+                                                          abs=1e-9)
+        assert a["group_kl"] == pytest.approx(b["group_kl"], rel=1e-5, abs=1e-9)
     assert all(r["sampler_restarts"] == 0 for r in records[2])

@@ -189,8 +189,9 @@ def test_batch_places_candidates_and_advantages(async_run, model, tok):
 
 
 def test_stop_on_critical_ends_with_a_checkpoint(tmp_path, model, tok):
-    # a KL baseline far below the run's KL: the growth rule goes critical after 3 steps
-    mon = MonitorConfig(baselines={"kl": 1e-12})
+    # a KL baseline far below the run's KL, and no probe floor taken from the first step (which
+    # would judge the growth only above 5× that step's KL): the growth rule goes critical
+    mon = MonitorConfig(baselines={"kl": 1e-12}, probe_from_first_step=False)
     cfg = preset_config("smoke", **dict(SMALL, steps=6, checkpoint_every=10))
     res = run(cfg, tmp_path / "stop", model=model, tokenizer=tok, log_alerts=False,
               stop_on="critical", monitor_config=mon)

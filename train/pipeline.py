@@ -13,9 +13,11 @@ may use, and queue the finished units for the trainer.
   than `queue_steps` steps' worth are claimed and not yet consumed (back-pressure, not a
   staleness bound). `max_staleness` = s: while claimed < (version + 1 + s)·prompts_per_step (an
   AReaL-style bounded-staleness gate). Lockstep (`sync`, forced `staleness` K): one step of units
-  per version, claimed together and generated as one batch per sampler group (as a server
-  batches the requests it holds), with the weights of K versions before (the publisher holds
-  them).
+  per version, claimed together and generated as one batch (as a server batches the requests
+  it holds), with the weights of K versions before (the publisher holds them).
+- A batch holds the claimed units of every sampler group, each unit computed with its own group's
+  numerics (lanes: mismatch.engines.lanes), where the groups can share one batch; otherwise one
+  batch per group.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections import defaultdict
 
 import torch
 
+from mismatch.engines.lanes import lanes_possible
 from mismatch.probes.base import TORCH_DTYPES
 
 from .batch import Unit
@@ -34,7 +37,7 @@ from .config import TrainConfig
 from .fleet import Router, SamplerGroup
 from .sampling import model_at, sample_in_worker, sample_units, split_units
 
-__all__ = ["Publisher", "Pipeline"]
+__all__ = ["Publisher", "Pipeline", "by_group"]
 
 
 class Publisher:
@@ -85,6 +88,14 @@ def _spread(batches: list[list], n: int) -> list[list]:
         half = len(out[big]) // 2
         out[big:big + 1] = [out[big][:half], out[big][half:]]
     return out
+
+
+def by_group(claims: list[tuple[int, SamplerGroup]]) -> list[list[tuple[int, SamplerGroup]]]:
+    """The claimed units, one batch per sampler group (in order of first claim)."""
+    out: dict[str, list[tuple[int, SamplerGroup]]] = defaultdict(list)
+    for u, group in claims:
+        out[group.name].append((u, group))
+    return list(out.values())
 
 
 class _Failure:
@@ -169,7 +180,7 @@ class Pipeline:
 
     def _claim_step(self) -> list[tuple[int, SamplerGroup]]:
         """Lockstep modes: the claimable units of the current step, all at once (one batched
-        generation per sampler group, as a server batches the requests it holds)."""
+        generation, as a server batches the requests it holds)."""
         first = self._claim()
         if first is None:
             return []
@@ -184,6 +195,7 @@ class Pipeline:
 
     def _work(self) -> None:
         models: dict[torch.dtype, tuple[int, torch.nn.Module]] = {}
+        scales: dict = {}  # calibrated activation scales per numerics and version
         cfg = self.cfg
         try:
             while True:
@@ -194,41 +206,46 @@ class Pipeline:
                 if not claims:
                     return
                 version, weights = self.publisher.latest(cfg.lag)
-                by_group: dict[str, list[tuple[int, SamplerGroup]]] = defaultdict(list)
-                for u, group in claims:
-                    by_group[group.name].append((u, group))
-                done = self._generate(list(by_group.values()), version, weights, models)
+                done = self._generate(self._batches(claims), version, weights, models,
+                                      scales)
                 for unit in sorted(done, key=lambda x: x.index):
                     self.results.put(unit)
         except BaseException as exc:  # handed to the trainer thread, which raises it
             self.results.put(_Failure(exc))
 
+    def _batches(self, claims: list[tuple[int, SamplerGroup]]
+                 ) -> list[list[tuple[int, SamplerGroup]]]:
+        """The claimed units as batched generations: all in one, each unit with its own group's
+        numerics (lanes), where their groups can share a batch; else one batch per group."""
+        if lanes_possible([g.spec for g in dict.fromkeys(g for _, g in claims)]):
+            return [list(claims)]
+        return by_group(claims)
+
     def _generate(self, batches: list[list[tuple[int, SamplerGroup]]], version: int, weights,
-                  models: dict) -> list[Unit]:
-        """Sample the claimed units, one batch per sampler group, with weight `version` (in the
-        sampler processes, spread over them, when the pipeline has a pool)."""
+                  models: dict, scales: dict) -> list[Unit]:
+        """Sample the claimed units, one batched generation per batch, with weight `version` (in
+        the sampler processes, spread over them, when the pipeline has a pool)."""
         done: list[Unit] = []
+        n = self.cfg.samples_per_prompt
         if self.pool is not None:
             batches = _spread(batches, self.pool.size)
-            calls = [(self.cfg, batch[0][1], [u for u, _ in batch], version, weights)
+            calls = [(self.cfg, [g for _, g in batch], [u for u, _ in batch], version, weights)
                      for batch in batches]
             for batch, (eps, dt) in zip(batches, self.pool.map(sample_in_worker, calls)):
                 with self._cond:
                     self.busy_seconds += dt
-                done += split_units(eps, batch, batch[0][1].name, version, dt,
-                                    self.cfg.samples_per_prompt)
+                done += split_units(eps, batch, version, dt, n)
             return done
         for batch in batches:
-            group = batch[0][1]
-            model = model_at(models, self._base, TORCH_DTYPES[group.spec.compute_dtype],
+            model = model_at(models, self._base, TORCH_DTYPES[batch[0][1].spec.compute_dtype],
                              version, weights)
             t0 = time.perf_counter()
-            eps = sample_units(model, self.tokenizer, self.cfg, group,
-                               [u for u, _ in batch], version)
+            eps = sample_units(model, self.tokenizer, self.cfg, [g for _, g in batch],
+                               [u for u, _ in batch], version, scales=scales)
             dt = time.perf_counter() - t0
             with self._cond:
                 self.busy_seconds += dt
-            done += split_units(eps, batch, group.name, version, dt, self.cfg.samples_per_prompt)
+            done += split_units(eps, batch, version, dt, n)
         return done
 
     @property

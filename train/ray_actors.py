@@ -112,6 +112,7 @@ class SamplerActor(_Process):
         self.group = next(g for g in fleet(cfg.fleet) if g.name == group_name)
         self.base, self.tokenizer = _load(cfg)
         self.models: dict = {}
+        self.scales: dict = {}  # calibrated activation scales per weight version
 
     def generate(self, units: list[int], version: int, weights: list) -> tuple[list[Unit], float]:
         """The units' episodes (weights: [the version's object reference], fetched only when the
@@ -121,9 +122,10 @@ class SamplerActor(_Process):
                          version, lambda: read_version(ray.get(weights[0])))
         with torch_threads(self.cfg.threads):  # the run's threads (Ray's for the actor otherwise)
             t0 = time.perf_counter()
-            eps = sample_units(model, self.tokenizer, self.cfg, self.group, units, version)
+            eps = sample_units(model, self.tokenizer, self.cfg, self.group, units, version,
+                               scales=self.scales)
             dt = time.perf_counter() - t0
-        return split_units(eps, [(u, None) for u in units], self.group.name, version, dt,
+        return split_units(eps, [(u, self.group) for u in units], version, dt,
                            self.cfg.samples_per_prompt), dt
 
 

@@ -57,7 +57,7 @@ import torch
 from .batch import Unit
 from .config import TrainConfig
 from .fleet import SamplerGroup, fleet
-from .pipeline import Pipeline, Publisher
+from .pipeline import Pipeline, Publisher, by_group
 from .ray_actors import (PLACEMENTS, BackendError, RemoteTrainer, SamplerActor,
                          ShardedTrainerActor, TrainerActor, sampler_resources, write_version)
 from .ray_session import ray_module, start_ray
@@ -112,7 +112,12 @@ class RayPipeline(Pipeline):
         ref = self.actors[group][i].generate.remote(units, version, [weights])
         return i, gen, ref
 
-    def _generate(self, batches, version: int, weights, models: dict) -> list[Unit]:
+    def _batches(self, claims):
+        """One batch per sampler group: each group's calls go to its own actors."""
+        return by_group(claims)
+
+    def _generate(self, batches, version: int, weights, models: dict,
+                  scales: dict | None = None) -> list[Unit]:
         ray = ray_module()
         pending = []
         for batch in batches:  # every group's batch in flight at once

@@ -18,6 +18,7 @@ version that generated it, and the experts each MoE layer routed every position 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import torch
 
@@ -26,7 +27,7 @@ from mismatch.profiles import NumericsSpec
 
 from .fleet import SamplerGroup
 
-__all__ = ["Trajectory", "run_episodes"]
+__all__ = ["Trajectory", "run_episodes", "calibration_scales", "needs_scales"]
 
 _TURN_SEED = 1000  # seed stride between turns (one generate call per turn)
 
@@ -71,6 +72,23 @@ class Trajectory:
         return [i for i, m in enumerate(self.sampled_mask) if m]
 
 
+def needs_scales(spec: NumericsSpec) -> bool:
+    """Whether `spec` quantizes activations with static scales that must be calibrated."""
+    return spec.activation_codec is not None
+
+
+def calibration_scales(model: torch.nn.Module, tokenizer, spec: NumericsSpec,
+                       tasks: list) -> dict:
+    """Static activation scales of `spec` on `model`, calibrated on the first prompts of `tasks`
+    (at most 8), rendered as the episodes render them ({} when the spec needs none)."""
+    from mismatch.engines.episodes import render_chat
+
+    if not needs_scales(spec):
+        return {}
+    return _scales_for(model, spec, [render_chat(tokenizer, t.prompt_messages(), generation=True)
+                                     for t in tasks[:8]])
+
+
 def _scales_for(model: torch.nn.Module, spec: NumericsSpec, prompts: list[list[int]]) -> dict:
     from mismatch.engines.numerics import calibrate
 
@@ -87,8 +105,9 @@ def _eos_ids(tokenizer, model) -> set[int]:
     return {i for i in ids if isinstance(i, int)}
 
 
-def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerGroup, *,
-                 version: int, scales: dict | None = None, max_turns: int = 4,
+def run_episodes(model: torch.nn.Module, tokenizer, tasks: list,
+                 group: SamplerGroup | Sequence[SamplerGroup], *, version: int,
+                 scales: dict | Mapping[str, dict] | None = None, max_turns: int = 4,
                  max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, top_k_candidates: int = 128, seed: int = 0,
                  kv_reuse: bool = True, slots: int | None = None,
@@ -97,15 +116,22 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
     engine (mismatch.engines.engine): all episodes at once, each next turn joining the running
     batch as soon as its previous turn ends, prefilling only its new tokens (`kv_reuse`; False
     re-prefills the whole context every turn). `model` must be loaded in the group's compute
-    dtype. `scales`: static activation scales of the group's spec (calibrated on the tasks'
-    prompts when the spec quantizes activations and none are given). `top_p`, `top_k`: the
-    sampled nucleus (1.0 and 0: the full distribution). Episode i's turn t draws from its own
-    random stream (seed, i, t), whatever else runs beside it — or, with `episode_seeds`, the
-    stream (episode_seeds[i], t), so that an episode's draws do not depend on which batch it is
-    sampled in. `slots`: sequences the engine holds at once (default: one per episode)."""
+    dtype.
+
+    `group` may also be a list of groups, one per task: a mixed fleet's episodes in one batch,
+    each computed with its own group's numerics (lanes: mismatch.engines.lanes; groups that
+    compute alike share a lane). The model must allow it (`lanes_possible`).
+
+    `scales`: static activation scales of the group's spec — with a list of groups, a mapping
+    {group name: scales} — calibrated on the group's first 8 task prompts when the spec
+    quantizes activations and none are given. `top_p`, `top_k`: the sampled nucleus (1.0 and
+    0: the full distribution). Episode i's turn t draws from its own random stream (seed, i, t),
+    whatever else runs beside it — or, with `episode_seeds`, the stream (episode_seeds[i], t),
+    so that an episode's draws do not depend on which batch it is sampled in. `slots`:
+    sequences the engine holds at once (default: one per episode)."""
     from mismatch.engines.engine import Engine
     from mismatch.engines.episodes import Session, drive_sessions
-    from mismatch.engines.numerics import apply_numerics
+    from mismatch.engines.numerics import apply_lane_numerics
     from mismatch.engines.routing import routers
     from mismatch.engines.sampler import SamplingParams
 
@@ -116,17 +142,33 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
                          f"{max_turns}, {max_new_tokens}, {top_k_candidates}")
     if episode_seeds is not None and len(episode_seeds) != len(tasks):
         raise ValueError(f"{len(episode_seeds)} episode seeds for {len(tasks)} tasks")
-    spec = group.spec
+    if isinstance(group, SamplerGroup):
+        groups = [group] * len(tasks)
+        scales = {group.name: scales} if scales else {}
+    else:
+        groups = list(group)
+        if len(groups) != len(tasks):
+            raise ValueError(f"{len(groups)} sampler groups for {len(tasks)} tasks")
+        scales = dict(scales or {})
     dtype = next(model.parameters()).dtype
-    if dtype != TORCH_DTYPES[spec.compute_dtype]:
-        raise ValueError(f"group {group.name} computes in {spec.compute_dtype}; the model is "
-                         f"loaded in {dtype}")
+    for g in dict.fromkeys(groups):
+        if dtype != TORCH_DTYPES[g.spec.compute_dtype]:
+            raise ValueError(f"group {g.name} computes in {g.spec.compute_dtype}; the model is "
+                             f"loaded in {dtype}")
+    lane_of_key: dict[tuple, int] = {}
+    lanes = [lane_of_key.setdefault(g.spec.numerics_key(), len(lane_of_key)) for g in groups]
     vocab = model.get_output_embeddings().weight.shape[0]
     limit = getattr(model.config, "max_position_embeddings", None)
     room = None if limit is None else limit - max_new_tokens
     sessions = [Session(tokenizer, [task], max_turns) for task in tasks]
-    if spec.activation_codec is not None and not scales:
-        scales = _scales_for(model, spec, [s.trace.tito for s in sessions])
+    lane_numerics: list[tuple[NumericsSpec, dict]] = []
+    for lane in range(len(lane_of_key)):
+        members = [i for i, x in enumerate(lanes) if x == lane]
+        spec = groups[members[0]].spec
+        got = next((scales[groups[i].name] for i in members if scales.get(groups[i].name)), None)
+        if needs_scales(spec) and not got:
+            got = _scales_for(model, spec, [sessions[i].trace.tito for i in members])
+        lane_numerics.append((spec, got or {}))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                             top_p=top_p, top_k=top_k, candidates=min(top_k_candidates, vocab))
@@ -146,8 +188,9 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
     engine = Engine(model, pad_id=pad_id, eos_ids=_eos_ids(tokenizer, model),
                     slots=slots or len(sessions), kv_reuse=kv_reuse,
                     with_routing=bool(routers(model)))
-    with apply_numerics(model, spec, scales):
+    with apply_lane_numerics(model, lane_numerics):
         cut = drive_sessions(engine, sessions, params, room=room, on_turn=on_turn,
+                             lane_of=lanes.__getitem__,
                              seed_of=lambda i, turn: _stream_seed(seed, i, turn)
                              if episode_seeds is None else episode_seeds[i] * _TURN_SEED + turn)
     out = []
@@ -168,7 +211,7 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list, group: SamplerG
             candidate_ids=torch.cat([c[0] for c in cands[i]]),
             candidate_logprobs=torch.cat([c[1] for c in cands[i]]),
             candidate_support=torch.cat([c[2] for c in cands[i]]), routed_experts=experts,
-            policy_version=[version if m else -1 for m in mask], group=group.name,
+            policy_version=[version if m else -1 for m in mask], group=groups[i].name,
             reward=float(ep.reward),
             end_reason="context_limit" if cut[i] else str(ep.end_reason),
             turns=len(tr.turns), turn_spans=list(tr.turns)))

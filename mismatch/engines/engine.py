@@ -47,6 +47,7 @@ import torch
 
 from ..kernels.bf16_gemm import bf16_module_gemms
 from .kv_cache import SlotCache
+from .lanes import batch_lanes
 from .outputs import SlotOutputs
 from .requests import Completion, EngineStats, Request
 from .routing import routers as find_routers
@@ -85,7 +86,8 @@ class Engine:
     `run` serves a list of requests (and, through `on_finish`, the follow-up requests of
     multi-turn conversations as each turn ends) and returns their completions in order of
     submission. The model is used as it is configured when `run` is called: enter
-    `apply_numerics` around it for an emulated sampler."""
+    `apply_numerics` around it for an emulated sampler, or `apply_lane_numerics` for several
+    samplers in one batch (each request's `lane` says whose numerics compute it)."""
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int, eos_ids: Iterable[int],
                  slots: int = 64, max_len: int | None = None, kv_reuse: bool = True,
@@ -185,10 +187,11 @@ class Engine:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, rows: list[int], starts: list[int],
-                 inputs: list[list[int]]) -> torch.Tensor:
+    def _forward(self, rows: list[int], starts: list[int], inputs: list[list[int]],
+                 lanes: list[int]) -> torch.Tensor:
         """One forward over the batch: rows' new tokens `inputs` at positions starts[i]… →
-        [B, V] FP32 logits at each row's last new token. Records routing per position."""
+        [B, V] FP32 logits at each row's last new token, row i computed with the numerics of
+        lane lanes[i] (lanes.py). Records routing per position."""
         dev = self._device
         b = len(rows)
         width = max(len(x) for x in inputs)
@@ -215,7 +218,7 @@ class Engine:
                 sink[i].append(output[-1].detach())
             handles.append(router.register_forward_hook(hook))
         try:
-            with bf16_module_gemms(self.model):
+            with bf16_module_gemms(self.model), batch_lanes(lanes, dev):
                 hidden = self.model.model(input_ids=ids.to(dev), attention_mask=allowed.to(dev),
                                           position_ids=pos.to(dev), past_key_values=cache,
                                           use_cache=True).last_hidden_state
@@ -283,7 +286,7 @@ class Engine:
             if admitted:  # prefill what each new request's cache does not hold yet
                 inputs = [s.request.prompt[s.cached:] for s in admitted]
                 logits = self._forward([s.slot for s in admitted], [s.cached for s in admitted],
-                                       inputs)
+                                       inputs, [s.request.lane for s in admitted])
                 self.stats.prefill_tokens += sum(len(x) for x in inputs)
                 self.stats.cached_tokens += sum(s.cached for s in admitted)
                 self.stats.requests += len(admitted)
@@ -291,7 +294,8 @@ class Engine:
             if live:  # one decode step: each running sequence feeds its last token
                 starts = [len(self._state[s.slot].tokens) for s in live]
                 logits = self._forward([s.slot for s in live], starts,
-                                       [[s.pending] for s in live])
+                                       [[s.pending] for s in live],
+                                       [s.request.lane for s in live])
                 self._sample(live, logits, full)
             for s in admitted:
                 running[s.slot] = s

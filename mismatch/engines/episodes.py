@@ -149,18 +149,21 @@ class Session:
 def drive_sessions(engine: Engine, sessions: list[Session], params: SamplingParams, *,
                    seed_of: Callable[[int, int], int], room: int | None = None,
                    on_turn: Callable[[int, int, Completion], None] | None = None,
-                   progress: Callable[[int], None] | None = None) -> list[set[str]]:
+                   progress: Callable[[int], None] | None = None,
+                   lane_of: Callable[[int], int] | None = None) -> list[set[str]]:
     """Play `sessions` to their end through `engine`, every turn one request of session i with
     stream seed `seed_of(i, turn)`. `room`: the longest context that leaves space for another
     turn (a session that outgrows it stops). `on_turn(i, turn, completion)` sees each turn's
-    completion before the session steps. Returns, per session, {"context_limit"} when it was cut
+    completion before the session steps. `lane_of(i)`: the lane whose numerics compute session
+    i (mismatch.engines.lanes; default 0). Returns, per session, {"context_limit"} when it was cut
     for room (never started, or stopped mid-conversation), else an empty set."""
     cut: list[set[str]] = [set() for _ in sessions]
     turns = [0] * len(sessions)
 
     def request(i: int) -> Request:
         return Request(prompt=list(sessions[i].trace.tito), params=params,
-                       seed=seed_of(i, turns[i]), session=("session", i), tag=i)
+                       seed=seed_of(i, turns[i]), session=("session", i), tag=i,
+                       lane=lane_of(i) if lane_of is not None else 0)
 
     def finished(comp: Completion) -> Request | None:
         i = comp.request.tag

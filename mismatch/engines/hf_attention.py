@@ -8,7 +8,8 @@ transformers and points the model's config at it, restoring the previous one in 
 `eager_experts` keeps fused MoE experts on transformers' eager loop meanwhile.
 
 The active block is per thread (sampler threads of one process may emulate different groups at
-once). An FP8 KV cache rounds keys and values as they are stored: the engine's cache
+once). `lane_attention` is the block of several lanes (lanes.py): each lane's batch rows attend
+with their own family, and only the positions of FP8-cache lanes are rounded as stored. An FP8 KV cache rounds keys and values as they are stored: the engine's cache
 (kv_cache.SlotCache) rounds each new position once when it is written (`kv_store_rounding`) and
 marks what it hands attention as already rounded (`mark_rounded`), so attention does not round
 the whole cache again at every decode step; keys and values from anywhere else are rounded here.
@@ -25,32 +26,70 @@ import torch
 import torch.nn.functional as F
 
 from .attention import KernelFamily, quantize_kv, tiled_attention
+from .lanes import rows_by_lane
 
-__all__ = ["ATTN_IMPL", "emulated_attention", "eager_experts", "fp8_kv_cache",
-           "kv_store_rounding", "mark_rounded"]
+__all__ = ["ATTN_IMPL", "emulated_attention", "lane_attention", "eager_experts",
+           "fp8_kv_cache", "kv_store_rounding", "mark_rounded"]
 
 ATTN_IMPL = "mismatch_emulated"
 
-_STATE = threading.local()  # .active: this thread's stack of (family, kv_fp8) blocks
+_STATE = threading.local()  # .active: this thread's stack of blocks (module docstring)
 _ROUNDED = "_mismatch_kv_rounded"  # the mark on keys/values already rounded as stored
 
 
-def _stack() -> list[tuple[KernelFamily | None, bool]]:
+def _round_all(written: torch.Tensor, batch_rows: torch.Tensor) -> torch.Tensor:
+    return quantize_kv(written)
+
+
+class _Lanes:
+    """A lane block: per lane (kernel family, FP8 KV cache), and how its cache stores keys."""
+
+    def __init__(self, lanes: list[tuple[KernelFamily | None, bool]]) -> None:
+        self.lanes = lanes
+        self.fp8 = {i for i, (_, kv_fp8) in enumerate(lanes) if kv_fp8}
+        if not self.fp8:
+            self.rounding = None
+        elif len(self.fp8) == len(lanes):
+            self.rounding = _round_all
+        else:
+            self.rounding = self._round_fp8_lanes
+
+    def _round_fp8_lanes(self, written: torch.Tensor, batch_rows: torch.Tensor) -> torch.Tensor:
+        """Round the positions of rows in FP8-cache lanes; `batch_rows`: each position's row."""
+        parts = rows_by_lane()
+        if len(parts) == 1:
+            return quantize_kv(written) if parts[0][0] in self.fp8 else written
+        rows = sum(len(r) for _, r in parts)
+        fp8_row = torch.zeros(rows, dtype=torch.bool, device=written.device)
+        for lane, r in parts:
+            if lane in self.fp8:
+                fp8_row[r] = True
+        pick = fp8_row[batch_rows]
+        out = written.clone()
+        out[pick] = quantize_kv(written[pick])
+        return out
+
+
+def _stack() -> list:
     stack = getattr(_STATE, "active", None)
     if stack is None:
         stack = _STATE.active = []
     return stack
 
 
-def _active() -> tuple[KernelFamily | None, bool]:
+def _active() -> tuple[KernelFamily | None, bool] | _Lanes:
     stack = _stack()
     return stack[-1] if stack else (None, False)
 
 
-def kv_store_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """How this thread's active block stores keys and values in a KV cache: `quantize_kv` for an
-    FP8 cache, None for the compute dtype."""
-    return quantize_kv if _active()[1] else None
+def kv_store_rounding() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """How this thread's active block stores keys and values in a KV cache: a function of the
+    new positions' values [n, …] and their batch rows [n] that rounds those an FP8 cache holds,
+    or None where no position is stored in FP8. The same object for the whole block."""
+    top = _active()
+    if isinstance(top, _Lanes):
+        return top.rounding
+    return _round_all if top[1] else None
 
 
 def mark_rounded(*tensors: torch.Tensor) -> None:
@@ -59,11 +98,11 @@ def mark_rounded(*tensors: torch.Tensor) -> None:
         setattr(t, _ROUNDED, True)
 
 
-def _emulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                        **kwargs):
-    family, kv_fp8 = _active()
-    if kv_fp8:
-        key, value = (x if getattr(x, _ROUNDED, False) else quantize_kv(x) for x in (key, value))
+def _attend(query, key, value, attention_mask, scaling, family: KernelFamily | None,
+            kv_fp8: bool, rounded: bool) -> torch.Tensor:
+    """[B, H, Tq, D] queries → [B, Tq, H, D] outputs under one kernel family."""
+    if kv_fp8 and not rounded:
+        key, value = quantize_kv(key), quantize_kv(value)
     tq, tk = query.shape[2], key.shape[2]
     if attention_mask is None:
         allowed = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
@@ -81,7 +120,31 @@ def _emulated_attention(module, query, key, value, attention_mask, dropout=0.0, 
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
     else:  # grouped-query attention without copying K/V per query head
         out = tiled_attention(query, key, value, allowed, scale, family)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2)
+
+
+def _emulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                        **kwargs):
+    top = _active()
+    rounded = getattr(key, _ROUNDED, False)
+    if not isinstance(top, _Lanes):
+        family, kv_fp8 = top
+        return _attend(query, key, value, attention_mask, scaling, family, kv_fp8,
+                       rounded).contiguous(), None
+    parts = rows_by_lane()
+    if len(parts) == 1:
+        family, kv_fp8 = top.lanes[parts[0][0]]
+        return _attend(query, key, value, attention_mask, scaling, family, kv_fp8,
+                       rounded).contiguous(), None
+    b, h, tq, _ = query.shape
+    out = query.new_empty(b, tq, h, value.shape[-1])
+    per_row = attention_mask is not None and attention_mask.shape[0] == b and b > 1
+    for lane, rows in parts:
+        family, kv_fp8 = top.lanes[lane]
+        mask = attention_mask.index_select(0, rows) if per_row else attention_mask
+        out[rows] = _attend(query.index_select(0, rows), key.index_select(0, rows),
+                            value.index_select(0, rows), mask, scaling, family, kv_fp8, rounded)
+    return out, None
 
 
 def _register_attention() -> None:
@@ -116,6 +179,24 @@ def emulated_attention(model: torch.nn.Module, family: KernelFamily | None, kv_f
     config._attn_implementation = ATTN_IMPL
     stack = _stack()
     stack.append((family, kv_fp8))
+    try:
+        with eager_experts(model):
+            yield
+    finally:
+        stack.pop()
+        config._attn_implementation = previous
+
+
+@contextlib.contextmanager
+def lane_attention(model: torch.nn.Module, lanes: list[tuple[KernelFamily | None, bool]]):
+    """`emulated_attention` per lane (lanes.py): the batch rows of lane i attend with
+    lanes[i] = (kernel family or None for torch SDPA, FP8 KV cache)."""
+    _register_attention()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTN_IMPL
+    stack = _stack()
+    stack.append(_Lanes(list(lanes)))
     try:
         with eager_experts(model):
             yield

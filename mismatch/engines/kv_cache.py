@@ -8,7 +8,8 @@ positions of the batch's slots. No per-step concatenation; `grow` reallocates (o
 longer context is needed.
 
 Under an FP8 KV cache (hf_attention: the active block's `kv_store_rounding`) each new position
-is rounded once as it is written, as a serving engine's FP8 cache stores it, and what `update`
+is rounded once as it is written, as a serving engine's FP8 cache stores it (under lanes, only
+the positions of rows whose lane has an FP8 cache), and what `update`
 returns is marked as rounded so that attention does not round the whole cache again. The block
 in force when the cache is made is the one it serves: an update under another raises.
 """
@@ -84,7 +85,8 @@ class SlotCache(Cache):
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             cache = store[layer_idx]
             written = new.transpose(1, 2)[b_idx, j_idx].to(cache.dtype)
-            cache[slot_idx, :, pos_idx] = written if rounding is None else rounding(written)
+            cache[slot_idx, :, pos_idx] = (written if rounding is None
+                                            else rounding(written, b_idx))
             if span is not None:  # one contiguous copy: attention kernels stream it many times
                 out.append(cache[span[0]:span[1], :, :tk].contiguous())
             else:

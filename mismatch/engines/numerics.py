@@ -37,12 +37,13 @@ from ..kernels import accumulate_gemm, fake_quant
 from ..kernels.bf16_gemm import bf16_module_gemms
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES
-from .hf_attention import eager_experts, emulated_attention
+from .hf_attention import eager_experts, emulated_attention, lane_attention
+from .lanes import lanes_possible, rows_by_lane
 from .moe import experts_forward, is_fused_experts
 from .routing import router_numerics
 from .served_weights import ServedLinear, build_table
 
-__all__ = ["apply_numerics", "calibrate"]
+__all__ = ["apply_numerics", "apply_lane_numerics", "calibrate"]
 
 
 class _Emulator:
@@ -210,6 +211,95 @@ def _patched(model: torch.nn.Module, emulator: _Emulator):
             del module.forward  # the class's forward again
 
 
+class _LaneSlices:
+    """Each lane's rows of the last linear input seen, so that the layers reading one tensor (q,
+    k and v; gate and up) hand every lane's emulator the same slice object, and its per-source
+    caches (one input quantization, one fused FP8 GEMM per activation group) still hit."""
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None
+
+    def of(self, x: torch.Tensor, parts: list) -> list[torch.Tensor]:
+        last = self._last
+        if last is not None and last[0] is x and last[1] == x._version and last[2] is parts:
+            return last[3]
+        rows = [x.index_select(0, r) for _, r in parts]
+        self._last = (x, x._version, parts, rows)
+        return rows
+
+
+def _lane_linear(module: torch.nn.Linear, forwards: list, slices: _LaneSlices):
+    """A linear layer's forward under lanes: each lane's rows through its own emulated GEMM."""
+    out_features = module.out_features
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        parts = rows_by_lane()
+        if len(parts) == 1:
+            return forwards[parts[0][0]](x)
+        if x.dim() != 3:
+            raise RuntimeError(f"lanes split a linear layer's input by batch row; got an input "
+                               f"of shape {tuple(x.shape)}")
+        out = x.new_empty(*x.shape[:-1], out_features)
+        for (lane, rows), xs in zip(parts, slices.of(x, parts)):
+            out[rows] = forwards[lane](xs)
+        return out
+
+    return forward
+
+
+def _lane_experts(forwards: list):
+    """A fused-experts forward under lanes. Its input rows are tokens, batch-major ([B·T, H]
+    from the layer's [B, T, H]): each lane's experts run on its rows' tokens."""
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        parts = rows_by_lane()
+        if len(parts) == 1:
+            return forwards[parts[0][0]](hidden_states, top_k_index, top_k_weights)
+        b = sum(len(rows) for _, rows in parts)
+        n = hidden_states.shape[0]
+        if n % b:
+            raise RuntimeError(f"lanes: {n} expert input rows do not split into {b} sequences")
+        t = n // b
+        final = torch.empty_like(hidden_states)
+        span = torch.arange(t, device=hidden_states.device)
+        for lane, rows in parts:
+            tok = (rows[:, None] * t + span[None, :]).reshape(-1)
+            final[tok] = forwards[lane](hidden_states[tok], top_k_index[tok], top_k_weights[tok])
+        return final
+
+    return forward
+
+
+@contextlib.contextmanager
+def _patched_lanes(model: torch.nn.Module, emulators: list[_Emulator]):
+    """Give every emulated Linear and fused-experts module the lane dispatch over `emulators`
+    (one per lane)."""
+    slices, patched = _LaneSlices(), []
+    try:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                ptr = module.weight.data_ptr()
+                if ptr in emulators[0].table:
+                    forwards = [e.linear_forward(module, e.table[ptr]) for e in emulators]
+                    module.forward = _lane_linear(module, forwards, slices)
+                    patched.append(module)
+            elif is_fused_experts(module) and \
+                    module.gate_up_proj[0].data_ptr() in emulators[0].table:
+                module.forward = _lane_experts([experts_forward(module, e) for e in emulators])
+                patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _check_scales(spec: NumericsSpec, act_scales) -> None:
+    if spec.activation_codec is not None and not act_scales:
+        raise ValueError(f"{spec.label}: activation quantization needs calibrated scales; "
+                         f"call calibrate() first")
+
+
 # ------------------------------------------------------------------------------------ public
 
 
@@ -237,9 +327,7 @@ def apply_numerics(model: torch.nn.Module, spec: NumericsSpec, act_scales=None, 
     attention (torch SDPA) and emulates formats only (the "precision" configuration). MoE routers
     compute their logits in `spec.router_dtype` (routing.py). native_fp8 (measured mode, a CUDA
     model on a GPU with FP8 tensor cores, an FP8 W8A8 spec): the GEMMs are torch._scaled_mm's."""
-    if spec.activation_codec is not None and not act_scales:
-        raise ValueError(f"{spec.label}: activation quantization needs calibrated scales; "
-                         f"call calibrate() first")
+    _check_scales(spec, act_scales)
     if native_fp8:
         if spec.activation_codec != "fp8-act" or spec.weight_codec != "fp8":
             raise ValueError(f"{spec.label}: native FP8 GEMMs need an FP8 W8A8 spec")
@@ -252,4 +340,32 @@ def apply_numerics(model: torch.nn.Module, spec: NumericsSpec, act_scales=None, 
     family = KERNEL_FAMILIES.get(spec.attention) if kernels else None
     with emulated_attention(model, family, spec.kv_codec is not None), _patched(model, emulator), \
             router_numerics(model, spec.router_dtype):
+        yield
+
+
+@contextlib.contextmanager
+def apply_lane_numerics(model: torch.nn.Module, lanes, *, kernels: bool = True):
+    """Run `model` with several samplers' numerics in one batch (lanes.py): `lanes` is a list of
+    (spec, activation scales or None), and inside the block the batch rows the engine tags with
+    lane i compute with lane i's spec — its weight and activation formats, accumulation model,
+    attention kernel family and KV-cache format. One lane is `apply_numerics` itself."""
+    lanes = list(lanes)
+    if not lanes:
+        raise ValueError("apply_lane_numerics needs at least one lane")
+    specs = [spec for spec, _ in lanes]
+    if len(lanes) == 1:
+        with apply_numerics(model, specs[0], lanes[0][1], kernels=kernels):
+            yield
+        return
+    if not lanes_possible(specs):
+        raise ValueError("these samplers cannot share one batch (they compute or route in "
+                         "different dtypes); serve each alone")
+    emulators = []
+    for spec, scales in lanes:
+        _check_scales(spec, scales)
+        emulators.append(_Emulator(build_table(model, spec), spec, scales or {}, None))
+    attention = [(KERNEL_FAMILIES.get(s.attention) if kernels else None, s.kv_codec is not None)
+                 for s in specs]
+    with lane_attention(model, attention), _patched_lanes(model, emulators), \
+            router_numerics(model, specs[0].router_dtype):
         yield

@@ -38,6 +38,8 @@ class Request:
     """Also keep the whole raw log-softmax of every generated position."""
     tag: Any = None
     """The caller's: handed back on the completion."""
+    lane: int = 0
+    """Whose numerics compute this sequence when several samplers share the batch (lanes.py)."""
 
     def __post_init__(self) -> None:
         if not self.prompt:
