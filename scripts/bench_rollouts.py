@@ -43,6 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tree import tree_command  # noqa: E402
 from bench_metrics import cpu_line  # noqa: E402
 
 SECTIONS = ("steps", "decode", "async")
@@ -54,9 +55,8 @@ def train_steps(tree: Path, preset: str, steps: int, extra: list[str]) -> dict:
     """One `mismatch train` run on the code of `tree`: its per-step records and wall time, and
     medians of the steps after the first."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "mismatch.cli", "train", "--preset", preset, "--steps",
-               str(steps), "--out", out, *TRAIN, *extra]
-        env = dict(os.environ, PYTHONPATH=str(tree))
+        cmd, env = tree_command(tree, "mismatch.cli", ["train", "--preset", preset, "--steps",
+                                                        str(steps), "--out", out, *TRAIN, *extra])
         t0 = time.perf_counter()
         done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
         wall = time.perf_counter() - t0
