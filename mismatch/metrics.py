@@ -213,9 +213,14 @@ def kl_estimators(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor
     return k_estimators(r, counted.sum())
 
 
-_RATIO_KEYS = ("ratio_mean", "ratio_p01", "ratio_p50", "ratio_p99", "mis_masked_fraction", "ess")
+_RATIO_KEYS = ("ratio_mean", "ratio_p01", "ratio_p50", "ratio_p99", "mis_masked_fraction", "ess",
+               "ratio_outside_10pct")
 _DIFF_KEYS = ("abs_logprob_diff_mean", "abs_logprob_diff_p99", "abs_logprob_diff_max",
-              "abs_prob_diff_max", "token_multiplicative_error")
+              "abs_prob_diff_max", "token_multiplicative_error", "logprob_diff_rms",
+              "logprob_diff_sd")
+BAND_10PCT = (0.9, 1.1)
+"""The ratio band published trainer-vs-sampler comparisons count tokens outside of
+(huggingface/trl issue #6789, verl issue #6280): `ratio_outside_10pct`."""
 
 
 def _nans(keys) -> dict[str, torch.Tensor]:
@@ -230,8 +235,10 @@ def _ratio_stats(r, counted, n: int, low: float, high: float) -> dict[str, torch
     s1, s2 = wz.sum(), (wz * wz).sum()
     q = masked_quantiles(w, counted, (0.01, 0.5, 0.99))
     outside = (((w < low) | (w > high)) & counted).sum().to(torch.float64)
+    band = (((w < BAND_10PCT[0]) | (w > BAND_10PCT[1])) & counted).sum().to(torch.float64)
     return {"ratio_mean": s1 / n, "ratio_p01": q[0], "ratio_p50": q[1], "ratio_p99": q[2],
-            "mis_masked_fraction": outside / n, "ess": s1 * s1 / (n * s2)}
+            "mis_masked_fraction": outside / n, "ess": s1 * s1 / (n * s2),
+            "ratio_outside_10pct": band / n}
 
 
 def _outside_np(w: np.ndarray, low: float, high: float) -> int:
@@ -248,9 +255,11 @@ def _ratio_np(rc: np.ndarray, low: float, high: float) -> dict[str, torch.Tensor
     w = np.exp(rc)
     s1, s2 = float(w.sum()), float(np.dot(w, w))
     outside = _outside_np(w, low, high)
+    band = _outside_np(w, *BAND_10PCT)
     q = _quantiles_np(w, (0.01, 0.5, 0.99), torch.float64)                 # reorders w
     return {"ratio_mean": _f64(s1 / n), "ratio_p01": q[0], "ratio_p50": q[1], "ratio_p99": q[2],
-            "mis_masked_fraction": _f64(outside / n), "ess": _f64(s1 * s1 / (n * s2))}
+            "mis_masked_fraction": _f64(outside / n), "ess": _f64(s1 * s1 / (n * s2)),
+            "ratio_outside_10pct": _f64(band / n)}
 
 
 def ratio_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
@@ -271,7 +280,11 @@ def _diff_stats(r, counted, n: int, trainer_logprobs, sampler_logprobs):
     d = r.abs()                                                             # 0 where uncounted
     dp = (trainer_logprobs.double().exp() - sampler_logprobs.double().exp()).abs()
     mult = torch.where(counted, d.clamp(max=MAX_LOG_RATIO).exp(), 0.0)
-    return {"abs_logprob_diff_mean": d.sum() / n,
+    rd = r.double()
+    mean = rd.sum() / n
+    return {"logprob_diff_rms": ((rd * rd).sum() / n).sqrt(),
+            "logprob_diff_sd": (torch.where(counted, rd - mean, 0.0).square().sum() / n).sqrt(),
+            "abs_logprob_diff_mean": d.sum() / n,
             "token_multiplicative_error": mult.sum() / n,
             "abs_logprob_diff_p99": masked_quantiles(d, counted, (0.99,))[0],
             "abs_logprob_diff_max": d.max(),
@@ -283,13 +296,17 @@ def _diff_np(rr: np.ndarray, t: np.ndarray, s: np.ndarray) -> dict[str, torch.Te
     n = rr.size
     if n == 0:
         return _nans(_DIFF_KEYS)
+    rd = rr.astype(np.float64)
+    rms = float(np.sqrt(np.dot(rd, rd) / n))
+    sd = float(np.sqrt(np.square(rd - rd.sum() / n).sum() / n))
     d = np.abs(rr)
     mean, top = float(d.sum()), float(d.max())
     mult = np.minimum(d, MAX_LOG_RATIO)
     mult = float(np.exp(mult, out=mult).sum())
     dp = np.exp(t, dtype=np.float64)
     dp -= np.exp(s, dtype=np.float64)
-    return {"abs_logprob_diff_mean": _f64(mean / n),
+    return {"logprob_diff_rms": _f64(rms), "logprob_diff_sd": _f64(sd),
+            "abs_logprob_diff_mean": _f64(mean / n),
             "token_multiplicative_error": _f64(mult / n),
             "abs_logprob_diff_p99": _quantiles_np(d, (0.99,), torch.float64)[0],  # reorders d
             "abs_logprob_diff_max": _f64(top),
@@ -300,7 +317,9 @@ def logprob_diff_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
                        mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """|Δ log p| mean / p99 / max, |Δ p| max, and the token multiplicative error mean e^|Δ log p|
     (NVIDIA's "Run High-Throughput Reinforcement Learning Training with End-to-End FP8 Precision",
-    NVIDIA Technical Blog, tracks it per recipe) over counted tokens."""
+    NVIDIA Technical Blog, tracks it per recipe) over counted tokens; the RMS of Δ log p and its
+    standard deviation (population), in nats, as trainer-vs-sampler comparisons publish them
+    (ServiceNow/Fast-LLM PR #525, huggingface/trl issue #6789)."""
     if _host(trainer_logprobs, sampler_logprobs, mask):
         r, counted, _ = _tokens_np(trainer_logprobs, sampler_logprobs, mask)
         return _diff_np(r[counted], _ndarray(trainer_logprobs)[counted],

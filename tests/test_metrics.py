@@ -172,3 +172,27 @@ def test_masked_quantiles_equal_torch_quantile_bit_for_bit(seed):
         assert torch.equal(masked_quantiles(x, valid, q), ref), (n, q)
     empty = masked_quantiles(x, torch.zeros_like(valid), (0.5,))
     assert empty.shape == (1,) and torch.isnan(empty).all()
+
+
+@pytest.mark.parametrize("numpy_path", [True, False])
+def test_published_comparison_figures_match_reference(monkeypatch, numpy_path):
+    """RMS and standard deviation of Δ log p (nats) and the share of ratios outside [0.9, 1.1],
+    as published trainer-vs-sampler comparisons report them, against float64 references computed
+    here token by token; on the numpy path (CPU) and the torch path (other devices) alike."""
+    import mismatch.metrics as metrics
+
+    monkeypatch.setattr(metrics, "_NUMPY_ON_CPU", numpy_path)
+    trainer, sampler, mask = _records(2)
+    trainer[0, 0], mask[0, 0] = float("nan"), 0.0  # a masked NaN changes nothing
+    toks = _ref_tokens(trainer, sampler, mask)
+    r = [t - s for t, s in toks]
+    n = len(r)
+    mean = sum(r) / n
+    got = divergence_summary(trainer, sampler, mask)
+    assert got["logprob_diff_rms"].item() == pytest.approx(math.sqrt(sum(x * x for x in r) / n),
+                                                           rel=1e-12)
+    assert got["logprob_diff_sd"].item() == pytest.approx(
+        math.sqrt(sum((x - mean) ** 2 for x in r) / n), rel=1e-12)
+    outside = sum(1 for x in r if math.exp(x) < 0.9 or math.exp(x) > 1.1) / n
+    assert got["ratio_outside_10pct"].item() == pytest.approx(outside, rel=1e-12)
+    assert 0 < outside < 1  # the records straddle the band: the check can fail

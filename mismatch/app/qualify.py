@@ -29,6 +29,9 @@ TOTAL_METRICS = {
     "abs_logprob_diff_mean": "mean |Δ log p|",
     "abs_logprob_diff_p99": "99th percentile of |Δ log p|",
     "abs_logprob_diff_max": "largest |Δ log p|",
+    "logprob_diff_rms": "RMS of Δ log p, nats",
+    "logprob_diff_sd": "standard deviation of Δ log p, nats",
+    "ratio_outside_10pct": "share of tokens whose π/μ leaves [0.9, 1.1]",
 }
 SOURCE_METRICS = {
     "routing.flip_rate_mean": "share of router decisions (per layer, mean) whose top-k set flips",

@@ -20,7 +20,10 @@ _ROWS = (("kl_exact", "KL exact", "{:.3e}"), ("kl_exact_ci95", "KL exact 95% CI"
          ("abs_logprob_diff_mean", "|Δlogp| mean", "{:.3e}"),
          ("abs_logprob_diff_p99", "|Δlogp| p99", "{:.3e}"),
          ("abs_logprob_diff_max", "|Δlogp| max", "{:.3e}"),
+         ("logprob_diff_rms", "Δlogp RMS", "{:.3e}"),
+         ("logprob_diff_sd", "Δlogp sd", "{:.3e}"),
          ("mis_masked_fraction", "outside [0.5, 5]", "{:.4%}"),
+         ("ratio_outside_10pct", "outside [0.9, 1.1]", "{:.4%}"),
          ("ess", "ESS", "{:.5f}"))
 _OFF = "n/a†"
 _FOOTNOTE = ("† k1/k3 and ESS estimate KL(μ‖π) only on tokens drawn from μ; the precision "
