@@ -67,7 +67,8 @@ def test_each_row_of_a_lane_batch_is_its_lanes_own(model, tok):
     lane with that lane's numerics on every row; row i of the lane run equals row i of its own
     lane's run — prefill, the engine's KV cache (FP8 for some lanes, BF16 for one), decode."""
     from mismatch.engines.engine import Engine
-    from mismatch.engines.numerics import apply_lane_numerics, apply_numerics
+    from mismatch.engines.lane_numerics import apply_lane_numerics
+    from mismatch.engines.numerics import apply_numerics
     from mismatch.engines.requests import Request
     from mismatch.engines.sampler import SamplingParams
 

@@ -131,7 +131,7 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list,
     sequences the engine holds at once (default: one per episode)."""
     from mismatch.engines.engine import Engine
     from mismatch.engines.episodes import Session, drive_sessions
-    from mismatch.engines.numerics import apply_lane_numerics
+    from mismatch.engines.lane_numerics import apply_lane_numerics
     from mismatch.engines.routing import routers
     from mismatch.engines.sampler import SamplingParams
 

@@ -85,9 +85,8 @@ class Engine:
 
     `run` serves a list of requests (and, through `on_finish`, the follow-up requests of
     multi-turn conversations as each turn ends) and returns their completions in order of
-    submission. The model is used as it is configured when `run` is called: enter
-    `apply_numerics` around it for an emulated sampler, or `apply_lane_numerics` for several
-    samplers in one batch (each request's `lane` says whose numerics compute it)."""
+    submission. The model is used as configured when `run` is called: enter `apply_numerics`
+    around it for one emulated sampler, `apply_lane_numerics` for several (`Request.lane`)."""
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int, eos_ids: Iterable[int],
                  slots: int = 64, max_len: int | None = None, kv_reuse: bool = True,

@@ -170,15 +170,14 @@ def eager_experts(model: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def emulated_attention(model: torch.nn.Module, family: KernelFamily | None, kv_fp8: bool):
-    """Inside the block the model's attention is `family`'s tiled kernel (None: torch SDPA), on
-    an FP8 KV cache when `kv_fp8`, and fused experts run eagerly; nested blocks stack."""
+def _block(model: torch.nn.Module, entry):
+    """Point the model's attention at ATTN_IMPL with `entry` on this thread's stack."""
     _register_attention()
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTN_IMPL
     stack = _stack()
-    stack.append((family, kv_fp8))
+    stack.append(entry)
     try:
         with eager_experts(model):
             yield
@@ -188,21 +187,19 @@ def emulated_attention(model: torch.nn.Module, family: KernelFamily | None, kv_f
 
 
 @contextlib.contextmanager
+def emulated_attention(model: torch.nn.Module, family: KernelFamily | None, kv_fp8: bool):
+    """Inside the block the model's attention is `family`'s tiled kernel (None: torch SDPA), on
+    an FP8 KV cache when `kv_fp8`, and fused experts run eagerly; nested blocks stack."""
+    with _block(model, (family, kv_fp8)):
+        yield
+
+
+@contextlib.contextmanager
 def lane_attention(model: torch.nn.Module, lanes: list[tuple[KernelFamily | None, bool]]):
     """`emulated_attention` per lane (lanes.py): the batch rows of lane i attend with
     lanes[i] = (kernel family or None for torch SDPA, FP8 KV cache)."""
-    _register_attention()
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTN_IMPL
-    stack = _stack()
-    stack.append(_Lanes(list(lanes)))
-    try:
-        with eager_experts(model):
-            yield
-    finally:
-        stack.pop()
-        config._attn_implementation = previous
+    with _block(model, _Lanes(list(lanes))):
+        yield
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ one batch and give each its own numerics inside each forward:
 
 - the engine tags each request with a lane (`Request.lane`) and, around each forward, records
   which batch rows belong to which lane (`batch_lanes`);
-- each emulated linear layer (numerics.apply_lane_numerics) splits its input rows by lane and
+- each emulated linear layer (lane_numerics.apply_lane_numerics) splits its input rows by lane and
   runs every lane's GEMM on its own rows — weights in the lane's format, activations quantized
   with the lane's scales — writing each lane's rows of one output;
 - fused MoE experts, whose input rows are tokens (batch-major), run each lane's tokens through
