@@ -3,7 +3,7 @@ does it see the collapses?
 
 Each run's `metrics.jsonl` (the records the trainer logged and the live monitor read) goes
 through a fresh `CollapseMonitor` with the shipped rules, record by record, as `mismatch monitor
-RUN/metrics.jsonl` would. Whether the run collapsed is the study's own test
+RUN` would (with `masked_loss` from the run's config.json: its correction masks tokens or not). Whether the run collapsed is the study's own test
 (`mismatch.train.study_summary.summarize_run`): the 5-step trailing mean of the training reward
 fell to half the mean of its first 3 steps (`halved_step`). Then:
 
@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 
 from mismatch.io import atomic_write_text  # noqa: E402
 from mismatch.probes.monitor import CollapseMonitor, MonitorConfig  # noqa: E402
-from mismatch.train.rundir import read_metrics  # noqa: E402
+from mismatch.train.rundir import read_metrics, run_masks_tokens  # noqa: E402
 from mismatch.train.study_summary import summarize_run  # noqa: E402
 
 SETS = {"grid": ("reports/study-runs",), "held-out": ("reports/study-L1", "reports/study-k4"),
@@ -73,8 +73,11 @@ def replay(records: list[dict], config: MonitorConfig | None = None) -> list:
 
 
 def judge_run(run: Path, config: MonitorConfig | None = None) -> dict:
-    """One run: the study's collapse test, the replayed monitor's first critical, the live one."""
+    """One run: the study's collapse test, the replayed monitor's first critical, the live one.
+    Without `config`, the monitor `mismatch monitor RUN` builds: the shipped rules, with
+    `masked_loss` from the run's correction."""
     summary = summarize_run(run)
+    config = config or MonitorConfig(masked_loss=run_masks_tokens(run))
     alerts = replay(summary["records"], config)
     critical = [a for a in alerts if a.severity == "critical"]
     first = critical[0].step if critical else None

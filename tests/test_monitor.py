@@ -501,8 +501,8 @@ def test_monitor_option_snapshot_and_light_import():
     command = typer.main.get_command(_app()).commands["monitor"]
     options = sorted(o for p in command.params for o in p.opts if o.startswith("--"))
     assert options == ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json",
-                       "--kl-floor", "--map", "--max-idle", "--poll-interval", "--prometheus-port",
-                       "--webhook"]
+                       "--kl-floor", "--map", "--masked-loss", "--max-idle", "--poll-interval",
+                       "--prometheus-port", "--webhook"]
     # the CLI module loads the monitor package (the --format choices come from it), but nothing
     # heavy: no tensors, no rich console, no network stack (the webhook and Prometheus sinks
     # import theirs when a run asks for them)

@@ -157,6 +157,13 @@ class TrainConfig:
     def samples_top_p(self) -> bool:
         return ARMS[self.correction].top_p
 
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether the loss masks tokens whose ratio leaves a band (MIS weights): the collapse
+        monitor then reads the masked share as the drift the update feels
+        (`MonitorConfig.masked_loss`)."""
+        return ARMS[self.correction].weight == "mis"
+
     # fields a resume may change without changing what the run computes
     RESUMABLE = ("steps", "checkpoint_every", "keep_checkpoints", "threads", "workers",
                  "eval_tasks", "eval_samples", "eval_every", "sampler_processes")

@@ -102,8 +102,8 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
         log_alerts: bool = True, monitor_config=None, backend=None) -> RunResult:
     """Train `cfg.steps` steps into `out` (see the module docstring). `stop_on`: end the run,
     with a checkpoint, on the first alert of that severity or worse. `monitor_config`: the
-    collapse monitor's rules (probes.monitor.MonitorConfig; its defaults otherwise).
-    `backend`: where the samplers and the trainer run (LocalBackend when None;
+    collapse monitor's rules (probes.monitor.MonitorConfig; its defaults otherwise, with
+    `masked_loss` from the correction). `backend`: where the samplers and the trainer run (LocalBackend when None;
     train.ray_backend.RayBackend for Ray actors). The run owns it: it is closed at the end."""
     backend = backend or LocalBackend()
     try:
@@ -127,7 +127,7 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
 
 def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, model, tokenizer,
          progress, log_alerts, monitor_config) -> RunResult:
-    from mismatch.probes.monitor import CollapseMonitor, JsonlSink, TerminalSink
+    from mismatch.probes.monitor import CollapseMonitor, JsonlSink, MonitorConfig, TerminalSink
 
     metrics_path, alerts_path = out / "metrics.jsonl", out / "alerts.jsonl"
     trainer = backend.trainer(model, cfg)
@@ -166,7 +166,7 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
 
     groups = fleet(cfg.fleet)
     cost_per_token = {g.name: g.cost_per_token for g in groups if g.cost_per_token is not None}
-    monitor = CollapseMonitor(monitor_config)
+    monitor = CollapseMonitor(monitor_config or MonitorConfig(masked_loss=cfg.masks_tokens))
     for rec in history:  # rebuild baselines and debouncing state from the kept log
         monitor.update(rec)
     monitor.sinks = [JsonlSink(alerts_path)] + ([TerminalSink()] if log_alerts else [])

@@ -29,7 +29,7 @@ from .config import TrainConfig
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["latest_checkpoint", "save_checkpoint", "check_ranks", "read_metrics", "cut_jsonl",
+__all__ = ["run_masks_tokens", "latest_checkpoint", "save_checkpoint", "check_ranks", "read_metrics", "cut_jsonl",
            "check_resume", "check_out", "holds_run", "restart_logs", "write_json", "save_final"]
 
 def write_json(path: Path, obj: Any) -> None:
@@ -165,3 +165,22 @@ def save_final(out: Path, policy: torch.nn.Module, tokenizer) -> None:
     with atomic_directory(Path(out) / "final") as tmp:
         policy.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+
+
+def run_masks_tokens(path: Path) -> bool:
+    """Whether `path` is a run folder (or the metrics.jsonl in one) whose config.json names a
+    correction that masks tokens (`TrainConfig.masks_tokens`): what `mismatch monitor` tells
+    its monitor (`MonitorConfig.masked_loss`). False for anything else."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    config = folder / "config.json"
+    if not (config.is_file() and (folder / "metrics.jsonl").is_file()
+            and (path.is_dir() or path.name == "metrics.jsonl")):
+        return False
+    try:
+        correction = json.loads(config.read_text()).get("correction")
+    except (OSError, ValueError, AttributeError):
+        return False  # not a run's config: judged as without one
+    from .loss import ARMS
+
+    return isinstance(correction, str) and correction in ARMS and ARMS[correction].weight == "mis"

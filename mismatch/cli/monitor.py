@@ -90,6 +90,11 @@ def monitor_command(
                                    "alone). Set it to your KL's scale: an on-policy run's tiny KL "
                                    "grows harmlessly as the policy sharpens, and frameworks' KL "
                                    "proxies run low (slime's ~1e-4)."),
+    masked_loss: bool = typer.Option(False, "--masked-loss", help="The run's loss masks tokens "
+                                     "whose importance ratio leaves a band (MIS, IcePop): judge "
+                                     "the masked share, not the KL, as the signature's drift. "
+                                     "Read from a `mismatch train` run folder's config.json "
+                                     "without it."),
 ) -> None:
     """Watch a training run's metrics for the collapse signature: exit 0 quiet, 1 alert, 2 bad
     input."""
@@ -100,6 +105,7 @@ def monitor_command(
                                          default_rules, stop_on_signals, summary_line,
                                          unreadable, with_kl_floor)
     from mismatch.probes.monitor.formats import RecordReader, get_adapter
+    from mismatch.train.rundir import run_masks_tokens
 
     try:
         if fail_on not in SEVERITIES:
@@ -112,7 +118,8 @@ def monitor_command(
             raise ValueError(f"--max-idle must be >= 0 seconds, got {max_idle}")
         check_log(file, adapter, follow=follow)
         config = MonitorConfig(rules=with_kl_floor(default_rules(), kl_floor),
-                               baselines=baselines_from_log(baseline, adapter) if baseline else {})
+                               baselines=baselines_from_log(baseline, adapter) if baseline else {},
+                               masked_loss=masked_loss or run_masks_tokens(file))
         sinks = open_sinks(_display(as_json), alert_log=alert_log,
                            prometheus_port=prometheus_port, webhook=webhook)
         if prometheus_port is not None:

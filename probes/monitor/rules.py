@@ -54,6 +54,11 @@ class SignalRule:
     share is already high is judged against its own level)."""
     smooth_steps: int = 1
     """Judge the median of the last this-many values (1: the value itself)."""
+    peak_steps: int = 0
+    """drop: the peak is the running maximum of the median of the last this-many values (0: of
+    the judged value, `smooth_steps`). The running maximum of a noisy median drifts upwards as a
+    run gets longer (the best of many noisy windows), so over a longer window it is a level the
+    signal held, not its luckiest batches."""
     hint: str = ""
     """What to look at, appended to the alert's message."""
 
@@ -65,6 +70,8 @@ class SignalRule:
             raise ValueError("SignalRule needs a warning or a critical threshold")
         if self.smooth_steps < 1:
             raise ValueError(f"SignalRule.smooth_steps must be >= 1, got {self.smooth_steps}")
+        if self.peak_steps < 0:
+            raise ValueError(f"SignalRule.peak_steps must be >= 0, got {self.peak_steps}")
         if self.warning is not None and self.critical is not None:
             rising = self.kind != "fall"
             if (self.critical < self.warning) if rising else (self.critical > self.warning):
@@ -92,6 +99,9 @@ def default_rules() -> dict[str, SignalRule]:
       episodes, 30% is a third of the batch gone.
     - reward: a quarter off its peak is a warning, half is critical on its own (by then KL and
       format errors should have fired). Smoothed over 5 steps: a batch's mean reward is noisy.
+      The peak is the best median over 10 steps, the baseline window's length: the best of a
+      long run's many 5-step medians is its luckiest stretch, and a fall from that is partly
+      noise (on the study's longest held runs it was half again above the reward they held).
       The fall is a fraction of the peak, so the reward must be non-negative (0/1 pass rates).
     - sc_tail_ratio: the SC tail ratio was ~1.2 in stable runs and rose to 52 when SC alone
       collapsed (the reference study, docs/study.md): 2× is a warning, 5× is out of anything a stable run showed.
@@ -113,6 +123,7 @@ def default_rules() -> dict[str, SignalRule]:
             kind="share", warning=0.15, critical=0.30, margin=0.10,
             hint="the policy is stopping its tool calls (empty replies): the collapse's ending"),
         "reward": SignalRule(kind="drop", warning=0.25, critical=0.5, smooth_steps=5,
+                             peak_steps=10,
                              hint="compare with KL and format errors of the same steps"),
         "sc_tail_ratio": SignalRule(kind="growth", warning=2.0, critical=5.0,
                                     hint="score centering's tail model is breaking down; SC "
@@ -189,6 +200,14 @@ class MonitorConfig:
     95% interval of one training batch's KL at the probe's level. The probes' sequence-bootstrap
     intervals over 512 prompts reach 1.5× the mean (FP8, NVFP4) to 2.3× (BF16)
     (reports/probe-*.md); a batch of 16 prompts is √32 ≈ 5.7× noisier: 4× to 8.6× the mean."""
+    masked_loss: bool = False
+    """The run's loss masks tokens whose importance ratio leaves a band (MIS, IcePop; the
+    project's arms with weight "mis"). Such a loss takes no gradient from the tokens where the
+    sampler and trainer disagree most, so the KL over all sampled tokens can grow while the
+    update stays within the band: the drift the update feels is the share it masks. The
+    signature's drift signal is then `mis_masked_fraction` instead of `kl` (the KL still warns
+    at 2× and is critical alone at 10×). The trainer sets it from its correction; `mismatch
+    monitor` from a run folder's config.json, or `--masked-loss`."""
     probe_from_first_step: bool = True
     """Take `kl_probe` from the first record with a KL when it states `staleness_max` (or, without
     it, `staleness_mean`) 0: the trainer's first step samples with the weights it trains, so its
@@ -211,10 +230,20 @@ class MonitorConfig:
             raise ValueError(f"MonitorConfig.probe_margin must be > 0, got {self.probe_margin}")
         if self.warmup_steps < 0 or self.corroborate_within < 0:
             raise ValueError("MonitorConfig.warmup_steps and corroborate_within must be >= 0")
+        if self.masked_loss and "mis_masked_fraction" not in self.rules:
+            raise ValueError("MonitorConfig.masked_loss needs a rule for mis_masked_fraction")
         for signal, value in self.baselines.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise ValueError(f"MonitorConfig.baselines[{signal!r}] must be a finite number, "
                                  f"got {value!r}")
+
+    def signature_signals(self) -> tuple[str, ...]:
+        """The signature as judged: `signature`, with the masked share in the KL's place when
+        the loss masks tokens (`masked_loss`)."""
+        if not self.masked_loss:
+            return self.signature
+        out = tuple("mis_masked_fraction" if s == "kl" else s for s in self.signature)
+        return tuple(dict.fromkeys(out))
 
 
 def judge(rule: SignalRule, x: float, ref: float | None,

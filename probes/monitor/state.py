@@ -19,7 +19,8 @@ How a signal is judged (every number below is a `MonitorConfig` / `SignalRule` f
   reference is its running peak.
 - **Level** (normal / warning / critical) of each step, from the rule's kind (`rules.judge`).
   `smooth_steps` > 1 compares the median of the last few values (the reward's batch mean is
-  noisy).
+  noisy). The reward's peak is the running maximum of a longer median (`peak_steps`, 10): the
+  best of a long run's many short medians is its luckiest stretch, not a level it held.
 - **The KL's probe floor.** A KL below `probe_margin` (5) × the KL a probe of the same sampler
   shows at the same weights is judged normal whatever its ratio to the baseline: at that level it
   is the sampler's numerics, which move with the policy (the study's on-policy controls: a KL of
@@ -32,7 +33,10 @@ How a signal is judged (every number below is a `MonitorConfig` / `SignalRule` f
 - **Corroboration.** The signature is a conjunction: a signature signal (KL, format errors,
   reward) sustained at warning goes critical while another signature signal is sustained at
   warning too (its last evaluation within `corroborate_within` steps). Two independent signals
-  out of their normal range at once are the evidence a single one needs 3× for.
+  out of their normal range at once are the evidence a single one needs 3× for. When the loss
+  masks tokens (`masked_loss`: MIS), the masked share stands in the signature for the KL: the
+  update takes no gradient from the tokens the KL grows on, and what it feels is how many it
+  loses.
 - **Debounced.** One alert per severity per episode of trouble (a warning, then at most one
   critical; a jump straight to critical raises the critical alone); the signal re-arms after
   `rearm_steps` (10) consecutive evaluations back at normal.
@@ -62,7 +66,8 @@ _SEVERITY = {WARNING: "warning", CRITICAL: "critical"}
 class _Track:
     """One signal's history: smoothing window, baseline, level, and its debouncing state."""
 
-    __slots__ = ("rule", "seen", "base", "baseline", "window", "peak", "level", "score",
+    __slots__ = ("rule", "seen", "base", "baseline", "window", "peak", "peak_window", "level",
+                 "score",
                  "value", "smoothed", "last_eval", "state", "run_warn", "run_crit", "calm",
                  "hits")
 
@@ -73,6 +78,10 @@ class _Track:
         self.baseline = baseline
         self.window: deque[float] = deque(maxlen=rule.smooth_steps if rule else 1)
         self.peak: float | None = baseline if rule and rule.kind == "drop" else None
+        self.peak_window: deque[float] | None = (
+            deque(maxlen=rule.peak_steps) if rule and rule.kind == "drop" and rule.peak_steps
+            else None)
+        """drop rules with `peak_steps`: the values whose median is the peak's candidate."""
         self.level = NORMAL
         self.score = math.nan
         self.value: float | None = None
@@ -220,6 +229,8 @@ class CollapseMonitor:
                 t.level, t.score = judge(rule, t.hits, None)
             return
         t.window.append(value)
+        if t.peak_window is not None:
+            t.peak_window.append(value)
         if len(t.window) < t.window.maxlen:
             return
         x = t.window[0] if t.window.maxlen == 1 else statistics.median(t.window)
@@ -227,7 +238,11 @@ class CollapseMonitor:
         if rule.kind == "drop":
             if t.seen <= cfg.warmup_steps and t.baseline is None:
                 return
-            t.peak = x if t.peak is None else max(t.peak, x)
+            level = x if t.peak_window is None else (
+                statistics.median(t.peak_window)
+                if len(t.peak_window) == t.peak_window.maxlen else None)
+            if level is not None:
+                t.peak = level if t.peak is None else max(t.peak, level)
             if t.baseline is None and t.seen <= cfg.warmup_steps + cfg.baseline_steps:
                 return
         elif t.baseline is None:
@@ -261,8 +276,9 @@ class CollapseMonitor:
         need_warn, need_crit = ((1, 1) if t.rule is not None and t.rule.kind == "count"
                                 else (cfg.warning_steps, cfg.critical_steps))
         partners: list[str] = []
-        if cfg.corroborate and signal in cfg.signature and t.run_warn >= cfg.warning_steps:
-            partners = [o for o in cfg.signature if o != signal
+        signature = cfg.signature_signals()
+        if cfg.corroborate and signal in signature and t.run_warn >= cfg.warning_steps:
+            partners = [o for o in signature if o != signal
                         and self._tracks[o].run_warn >= cfg.warning_steps
                         and self._tracks[o].last_eval is not None
                         and step - self._tracks[o].last_eval <= cfg.corroborate_within]
@@ -320,7 +336,8 @@ def _message(signal: str, t: _Track, steps: int, partners: Sequence[str]) -> str
         text = f"{signal} {x:.4g} is {score:.1f}x its baseline {ref:.4g} {lasting}"
     if partners:
         moved = {"reward": "reward falling", "kl": "kl growing",
-                 "format_error_rate": "format errors rising"}
+                 "format_error_rate": "format errors rising",
+                 "mis_masked_fraction": "MIS masking more tokens"}
         text += (f", with {' and '.join(moved.get(p, p) for p in partners)} too: the collapse "
                  "signature")
     return f"{text}; {rule.hint}" if rule.hint else text
