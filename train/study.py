@@ -268,10 +268,6 @@ class GridResult:
     seconds: float = 0.0
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
-
-
 def _lock(out: Path):
     """Hold OUT/.lock for this process (one study per directory at a time)."""
     import fcntl
@@ -318,7 +314,7 @@ def _run_grid(cfg: StudyConfig, out: Path, jobs: int, progress, poll_seconds: fl
             raise ValueError(f"{out} holds a study with {k}={saved.get(k)!r}, not "
                              f"{mine.get(k)!r}; use the same settings or another --out")
     result = GridResult(adopted=adopt_logs(cfg, out, adopt) if adopt else [])
-    _write_json(meta, dict(asdict(cfg), command=command))
+    atomic_write_text(meta, json.dumps(dict(asdict(cfg), command=command), indent=2) + "\n")
     build_policy(cfg, out)
     todo: list[tuple[Cell, bool]] = []
     for cell in cells(cfg):
