@@ -170,15 +170,20 @@ class NumericsSpec:
     """MoE router logits: computed in the compute dtype (Hugging Face and serving engines) or in
     FP32 (trainers that keep the router in FP32, e.g. Megatron's `moe_router_dtype`)."""
 
+    lm_head: Literal["compute", "fp32"] = "compute"
+    """The LM head: in the compute dtype (logits rounded to it), or FP32 inputs, weights and
+    logits (the mitigation MiniMax-M1 used; mismatch.engines.head)."""
+
     def numerics_key(self) -> tuple:
         """What decides the numbers (not the names): equal keys compute identical results."""
         return (self.compute_dtype, self.weight_codec, self.activation_codec, self.accumulation,
-                self.kv_codec, self.attention, self.split_k, self.router_dtype)
+                self.kv_codec, self.attention, self.split_k, self.router_dtype, self.lm_head)
 
     @property
     def label(self) -> str:
         kv = f", kv {self.kv_cache}" if self.kv_cache != self.compute_dtype else ""
-        return f"{self.gpu} {self.dtype}{kv}"
+        head = ", fp32 head" if self.lm_head == "fp32" and self.compute_dtype != "fp32" else ""
+        return f"{self.gpu} {self.dtype}{kv}{head}"
 
 
 # The trainer side: teacher-forced BF16 forward, GEMMs with FP32 accumulation rounded once (as a
@@ -247,11 +252,19 @@ def resolve(gpu: str, dtype: str, kv_cache: str | None = None) -> NumericsSpec:
                         kernel_path=path + (", FP8 KV cache" if kv == "fp8" else ""))
 
 
-def trainer_spec(dtype: str = "bf16") -> NumericsSpec:
-    """The trainer side in BF16 (default) or FP16."""
-    d = _need(dtype, ("bf16", "fp16"), "trainer dtype")
+TRAINER_DTYPES = ("bf16", "fp16", "fp32")
+"""The trainer side's compute dtypes: BF16 (the default), FP16, or FP32 (a reference)."""
+
+
+def trainer_spec(dtype: str = "bf16", lm_head: str = "compute") -> NumericsSpec:
+    """The trainer side in BF16 (default), FP16 or FP32, its LM head in the compute dtype or in
+    FP32 (`lm_head`)."""
+    d = _need(dtype, TRAINER_DTYPES, "trainer dtype")
+    h = _need(lm_head, ("compute", "fp32"), "LM head dtype")
+    head = ", FP32 LM head" if h == "fp32" and d != "fp32" else ""
     return replace(TRAINER, dtype=d, kv_cache=d, compute_dtype=d,  # type: ignore[arg-type]
-                   kernel_path=f"{d.upper()} teacher-forced forward (reference attention)")
+                   lm_head=h,  # type: ignore[arg-type]
+                   kernel_path=f"{d.upper()} teacher-forced forward (reference attention){head}")
 
 
 def table() -> list[NumericsSpec | tuple[str, str, str]]:

@@ -30,7 +30,12 @@ class ProbeConfig:
     kv_cache: str | None = None
     """KV-cache storage ("bf16" | "fp8"; default: the compute dtype)."""
     trainer_dtype: str = "bf16"
-    """Trainer-side dtype ("bf16" | "fp16")."""
+    """Trainer-side dtype ("bf16" | "fp16" | "fp32"; FP32 is a reference, for the quick probe)."""
+    lm_head: str = "compute"
+    """The LM head's precision ("compute": the side's compute dtype, or "fp32"), on the side(s)
+    `lm_head_side` names (mismatch.engines.head)."""
+    lm_head_side: str = "both"
+    """Where `lm_head` applies: "trainer", "sampler" or "both"."""
     model: Path | None = None
     """Hugging Face model directory (None: the embedded model)."""
     prompts: Path | None = None
@@ -82,8 +87,20 @@ class ProbeConfig:
             raise ProbeError(f"--subset-prompts must be >= 1, got {self.subset_prompts}")
         if not 0 <= self.ci_target < 1 or self.max_prompts < self.n_prompts:
             raise ProbeError("--ci-target must be in [0, 1) and --max-prompts >= --n-prompts")
+        if self.lm_head not in ("compute", "fp32"):
+            raise ProbeError(f"--lm-head must be compute or fp32, got {self.lm_head!r}")
+        if self.lm_head_side not in ("trainer", "sampler", "both"):
+            raise ProbeError(f"--lm-head-side must be trainer, sampler or both, got "
+                             f"{self.lm_head_side!r}")
+        if self.trainer_dtype == "fp32" and (self.sources or self.ladder):
+            raise ProbeError("--trainer-dtype fp32 is a reference for the quick probe; the "
+                             "source probes (--sources, --ladder) run a bf16 or fp16 trainer")
         from mismatch.engines.te import TRAINER_KERNELS
 
         if self.trainer_kernels not in TRAINER_KERNELS:
             raise ProbeError(f"unknown --trainer-kernels {self.trainer_kernels!r}; valid: "
                              f"{', '.join(TRAINER_KERNELS)}")
+
+    def head_on(self, side: str) -> str:
+        """The LM head's precision on `side` ("trainer" | "sampler")."""
+        return self.lm_head if self.lm_head_side in (side, "both") else "compute"

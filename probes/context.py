@@ -12,6 +12,7 @@ through the KV-cache decode path, or decoded in two turns with the second prefil
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -65,8 +66,9 @@ class ProbeContext:
         from mismatch.zoo import check_model_dir, load_model, load_tokenizer
 
         self.cfg = cfg
-        self.spec = resolve(cfg.gpu, cfg.dtype, cfg.kv_cache)
-        self.trainer = trainer_spec(cfg.trainer_dtype)
+        self.spec = replace(resolve(cfg.gpu, cfg.dtype, cfg.kv_cache),
+                            lm_head=cfg.head_on("sampler"))
+        self.trainer = trainer_spec(cfg.trainer_dtype, cfg.head_on("trainer"))
         self._progress = progress
         self.tokenizer = load_tokenizer(cfg.model)
         self.model_dir = check_model_dir(cfg.model, tokenizer=False)
@@ -98,6 +100,11 @@ class ProbeContext:
         self._seed_per_batch = seed_per_batch
         self.sampler = Variant(spec=self.spec, attention=True, path="decode")
         self.reference = Variant(spec=self.trainer, linears=cfg.trainer_kernels)
+
+    def lm_heads(self) -> dict[str, str] | None:
+        """The LM head's precision on each side, where one of them is FP32 (else None)."""
+        heads = {"sampler": self.spec.lm_head, "trainer": self.trainer.lm_head}
+        return heads if "fp32" in heads.values() else None
 
     # ----------------------------------------------------------------------------- resources
 

@@ -95,6 +95,7 @@ def run_sources(cfg, progress: Callable[[str, int, int], None] | None = None, *,
     summary = ProbeSummary(
         gpu=spec.gpu, dtype=spec.dtype, kv_cache=spec.kv_cache,
         trainer_dtype=ctx.trainer.dtype, trainer_gpu=cfg.trainer_gpu, mode="emulated",
+        lm_head=ctx.lm_heads(),
         model=str(cfg.model) if cfg.model else "embedded",
         kernel_path=spec.kernel_path, attention=spec.attention,
         prompts=len(ctx.prompts), tokens=run.total.tokens, total=total, ci_target=run.ci,

@@ -50,6 +50,8 @@ class ProbeSummary:
     """--ci-target: {"target", "met", "unmet"} (the sources runner)."""
     ladder: dict[str, Any] | None = None
     """The cumulative ladder of sources, where asked for (--ladder)."""
+    lm_head: dict[str, str] | None = None
+    """{"sampler", "trainer"} → the LM head's precision, where one side's is FP32 (--lm-head)."""
 
     def to_json(self) -> dict[str, Any]:
         """results.json: the header, then the figures; optional keys only where set."""
@@ -59,6 +61,8 @@ class ProbeSummary:
             out["trainer_kernels"] = self.trainer_kernels
         if self.trainer_gpu is not None:
             out["trainer_gpu"] = self.trainer_gpu
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head
         out.update({"mode": self.mode, "model": self.model, "kernel_path": self.kernel_path,
                     "attention": self.attention, "prompts": self.prompts,
                     "tokens": self.tokens, "total": self.total})

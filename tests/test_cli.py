@@ -20,10 +20,10 @@ SNAPSHOT = {
              "--kl", "--model", "--n-prompts", "--no-probe", "--out", "--seed", "--sim-batch",
              "--sim-hours", "--simulate"],
     "monitor": ["--alert-log", "--baseline", "--fail-on", "--follow", "--format", "--json",
-                "--kl-floor", "--map", "--max-idle", "--poll-interval", "--prometheus-port",
-                "--webhook"],
+                "--kl-floor", "--map", "--masked-loss", "--max-idle", "--poll-interval",
+                "--prometheus-port", "--webhook"],
     "probe": ["--batch-size", "--ci-target", "--dtype", "--emulate", "--fleet-shares", "--force", "--gpu", "--json",
-              "--kv-cache", "--ladder", "--max-new-tokens", "--max-prompts", "--model", "--n-prompts", "--out",
+              "--kv-cache", "--ladder", "--lm-head", "--lm-head-side", "--max-new-tokens", "--max-prompts", "--model", "--n-prompts", "--out",
               "--prompts", "--seed", "--sources", "--staleness-checkpoints", "--staleness-lr",
               "--staleness-max-lag", "--subset-prompts", "--threads", "--top-p",
               "--trainer-dtype", "--trainer-gpu", "--trainer-kernels"],
@@ -242,7 +242,7 @@ def test_every_choice_list_in_help_names_its_registry():
     from mismatch.cli.common import ARM_ALIASES, STUDY_ARM_ALIASES
     from mismatch.fleets import FLEETS as FLEET_PRESETS
     from mismatch.probes import SOURCES
-    from mismatch.profiles import DTYPES, GPUS, KV_CACHES
+    from mismatch.profiles import DTYPES, GPUS, KV_CACHES, TRAINER_DTYPES
     from mismatch.train.loss import ARMS
     from mismatch.train.study import ARMS as STUDY_ARMS, FLEETS
 
@@ -264,4 +264,4 @@ def test_every_choice_list_in_help_names_its_registry():
         assert names(command, param) == want, (command, param)
     fleets = names("study", "fleets")
     assert set(FLEETS) <= fleets and set(FLEETS.values()) <= set(FLEET_PRESETS)
-    assert names("probe", "trainer_dtype") <= set(DTYPES)
+    assert names("probe", "trainer_dtype") == set(TRAINER_DTYPES)

@@ -113,6 +113,7 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     summary = ProbeSummary(
         gpu=spec.gpu, dtype=spec.dtype, kv_cache=spec.kv_cache,
         trainer_dtype=ctx.trainer.dtype, trainer_kernels=cfg.trainer_kernels,
+        lm_head=ctx.lm_heads(),
         mode=ctx.mode, model=str(cfg.model) if cfg.model else "embedded",
         kernel_path=spec.kernel_path, attention=spec.attention,
         prompts=len(ctx.prompts), tokens=tallies["total"].tokens, total=columns["total"],

@@ -16,7 +16,13 @@ def probe_command(
                               "w4a16-nvfp4, nvfp4, mxfp4."),
     kv_cache: str | None = typer.Option(None, "--kv-cache", help="KV cache: bf16 or fp8 "
                                         "(default: the compute dtype)."),
-    trainer_dtype: str = typer.Option("bf16", "--trainer-dtype", help="Trainer side: bf16 or fp16."),
+    trainer_dtype: str = typer.Option("bf16", "--trainer-dtype", help="Trainer side: bf16, fp16 "
+                                      "or fp32 (a reference; the quick probe only)."),
+    lm_head: str = typer.Option("compute", "--lm-head", help="The LM head's precision: compute "
+                                "(the side's dtype, logits rounded to it) or fp32 (inputs, "
+                                "weights and logits in FP32: MiniMax-M1's mitigation)."),
+    lm_head_side: str = typer.Option("both", "--lm-head-side", help="Where --lm-head applies: "
+                                     "trainer, sampler or both."),
     model: Path | None = typer.Option(None, "--model", help="Hugging Face model directory "
                                       "(default: the embedded model)."),
     prompts: Path | None = typer.Option(None, "--prompts", help="JSONL prompts: "
@@ -70,17 +76,22 @@ def probe_command(
     quiet_libraries()
 
     from mismatch.app.probe import ProbeConfig, run_probe
-    from mismatch.profiles import resolve
+    from mismatch.profiles import resolve, trainer_spec
     from mismatch.app.report import format_table, write_probe_outputs
 
     try:
         resolve(gpu, dtype, kv_cache)  # fail fast, before loading anything
-        resolve(trainer_gpu, trainer_dtype)
+        if trainer_dtype.lower() != "fp32":
+            resolve(trainer_gpu, trainer_dtype)
+        else:
+            trainer_spec(trainer_dtype)
         from mismatch.probes import parse_sources
         from mismatch.probes.sampling import SamplingConfig
         from mismatch.probes.staleness import StalenessConfig
 
-        cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache, trainer_dtype=trainer_dtype,
+        cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache,
+                          trainer_dtype=trainer_dtype.lower(), lm_head=lm_head.lower(),
+                          lm_head_side=lm_head_side.lower(),
                           model=model, prompts=prompts, n_prompts=n_prompts,
                           max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
                           threads=threads, sources=parse_sources(sources), ladder=ladder,

@@ -17,6 +17,7 @@ from .hf_attention import lane_attention
 from .lanes import lanes_possible, rows_by_lane
 from .moe import experts_forward, is_fused_experts
 from .numerics import _check_scales, _Emulator, apply_numerics
+from .head import head_numerics
 from .routing import router_numerics
 from .served_weights import build_table
 
@@ -161,5 +162,6 @@ def apply_lane_numerics(model: torch.nn.Module, lanes, *, kernels: bool = True):
     attention = [(KERNEL_FAMILIES.get(s.attention) if kernels else None, s.kv_codec is not None)
                  for s in specs]
     with lane_attention(model, attention), _patched_lanes(model, emulators, _LaneGemms(group_of_lane)), \
-            router_numerics(model, specs[0].router_dtype):
+            router_numerics(model, specs[0].router_dtype), \
+            head_numerics(model, specs[0].lm_head):
         yield

@@ -64,5 +64,6 @@ def batch_lanes(lanes: Sequence[int], device: torch.device | str = "cpu"):
 
 def lanes_possible(specs: Sequence[NumericsSpec]) -> bool:
     """Whether one batch can hold sequences of every spec in `specs`: one model in one compute
-    dtype, its routers in one precision."""
-    return len({s.compute_dtype for s in specs}) <= 1 and len({s.router_dtype for s in specs}) <= 1
+    dtype, its routers and its LM head in one precision each."""
+    return all(len({getattr(s, f) for s in specs}) <= 1
+               for f in ("compute_dtype", "router_dtype", "lm_head"))

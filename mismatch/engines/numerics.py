@@ -11,7 +11,8 @@
   shape of a GPU GEMM, whatever CPU kernel torch would have picked. Activation fake-quant and
   the accumulation-model GEMM go through mismatch.kernels: quantize/'s exact torch code on CPU,
   the bit-identical Triton kernels on CUDA tensors. Routers, embeddings and
-  lm_head stay in the compute dtype, as modelopt excludes them.
+  lm_head stay in the compute dtype, as modelopt excludes them (the head in FP32 where
+  `spec.lm_head` says so: head.py).
 - attention runs through `attention.tiled_attention` with the spec's kernel family (or torch
   SDPA for the reference), with the KV cache stored in FP8 when `spec.kv_codec` says so.
 
@@ -37,6 +38,7 @@ from ..kernels import accumulate_gemm, fake_quant
 from ..kernels.bf16_gemm import bf16_module_gemms
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES
+from .head import head_numerics
 from .hf_attention import eager_experts, emulated_attention
 from .moe import experts_forward, is_fused_experts
 from .routing import router_numerics
@@ -255,5 +257,5 @@ def apply_numerics(model: torch.nn.Module, spec: NumericsSpec, act_scales=None, 
         emulator = _Emulator(build_table(model, spec), spec, act_scales or {}, None)
     family = KERNEL_FAMILIES.get(spec.attention) if kernels else None
     with emulated_attention(model, family, spec.kv_codec is not None), _patched(model, emulator), \
-            router_numerics(model, spec.router_dtype):
+            router_numerics(model, spec.router_dtype), head_numerics(model, spec.lm_head):
         yield

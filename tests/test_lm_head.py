@@ -1,0 +1,142 @@
+"""The FP32 LM head and the FP32 trainer reference (issue: fidelity against published figures).
+
+The head in FP32 is checked against a float64 reference of the same GEMM; the probe's sides are
+checked end to end on a tiny random Qwen3-MoE (`--lm-head`, `--lm-head-side`,
+`--trainer-dtype fp32`), and their bad input gives one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import build_tiny_model
+from mismatch.cli.main import app
+from mismatch.engines.head import head_numerics
+from mismatch.engines.lanes import lanes_possible
+from mismatch.probes.config import ProbeConfig
+from mismatch.probes.errors import ProbeError
+from mismatch.profiles import ProfileError, resolve, trainer_spec
+
+runner = CliRunner()
+
+
+class _Tiny(torch.nn.Module):
+    """A model whose output embedding is a BF16 linear layer, as a Hugging Face LM's."""
+
+    def __init__(self, v: int = 300, h: int = 64) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(h, v, bias=False, dtype=torch.bfloat16)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def test_fp32_head_is_the_float64_gemm_of_the_bf16_values_kept_in_fp32():
+    torch.manual_seed(0)
+    model = _Tiny()
+    x = (torch.randn(32, 64) * 3).to(torch.bfloat16)
+    exact = x.double() @ model.lm_head.weight.double().t()  # the float64 reference
+    compute = model.lm_head(x)
+    with head_numerics(model, "fp32"):
+        fp32 = model.lm_head(x)
+    assert compute.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    err32 = (fp32.double() - exact).abs().max().item()
+    err16 = (compute.double() - exact).abs().max().item()
+    # FP32 accumulation of 64 exact BF16 products: within a few FP32 ulps of the logits' size
+    assert err32 <= 64 * 2 ** -24 * exact.abs().max().item()
+    # the BF16 head's error is its output rounding: up to half a BF16 ulp, ~2^-9 relative
+    assert err16 > 100 * err32
+    assert err16 <= 2 ** -8 * exact.abs().max().item()
+    # the patch is gone after the block, and "compute" patches nothing
+    assert "forward" not in vars(model.lm_head)
+    with head_numerics(model, "compute"):
+        assert "forward" not in vars(model.lm_head)
+    with pytest.raises(ValueError, match="LM head dtype"):
+        with head_numerics(model, "fp8"):
+            pass
+
+
+def test_specs_carry_the_head_and_fp32_trainer():
+    t = trainer_spec("fp32")
+    assert (t.compute_dtype, t.kv_cache, t.lm_head) == ("fp32", "fp32", "compute")
+    h = trainer_spec("bf16", "fp32")
+    assert h.lm_head == "fp32" and "FP32 LM head" in h.kernel_path
+    assert h.numerics_key() != trainer_spec("bf16").numerics_key()
+    with pytest.raises(ProfileError, match="trainer dtype"):
+        trainer_spec("fp8")
+    a100 = resolve("a100", "bf16")
+    from dataclasses import replace
+
+    assert not lanes_possible([a100, replace(a100, lm_head="fp32")])
+    assert lanes_possible([a100, replace(a100, kv_cache="fp8")])
+
+
+def test_probe_config_checks_the_head_options():
+    with pytest.raises(ProbeError, match="--lm-head must"):
+        ProbeConfig(gpu="a100", dtype="bf16", lm_head="fp16")
+    with pytest.raises(ProbeError, match="--lm-head-side"):
+        ProbeConfig(gpu="a100", dtype="bf16", lm_head="fp32", lm_head_side="neither")
+    with pytest.raises(ProbeError, match="quick probe"):
+        ProbeConfig(gpu="a100", dtype="bf16", trainer_dtype="fp32", sources=("precision",))
+    cfg = ProbeConfig(gpu="a100", dtype="bf16", lm_head="fp32", lm_head_side="trainer")
+    assert (cfg.head_on("trainer"), cfg.head_on("sampler")) == ("fp32", "compute")
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "moe", kind="moe", tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("p") / "prompts.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": f"question number {i}: what is {i} + {i}?"})
+                           for i in range(6)) + "\n")
+    return p
+
+
+def _probe(moe_dir: Path, prompts: Path, *args: str) -> dict:
+    res = runner.invoke(app, ["probe", "--gpu", "a100", "--dtype", "bf16", "--model",
+                              str(moe_dir), "--prompts", str(prompts), "--max-new-tokens", "8",
+                              "--emulate", "--json", *args])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_probe_sides_of_the_head_and_the_fp32_reference(moe_dir, prompt_file):
+    def _probe_(*args):
+        return _probe(moe_dir, prompt_file, *args)
+
+    base = _probe_()
+    assert "lm_head" not in base and base["trainer_dtype"] == "bf16"
+    both = _probe_("--lm-head", "fp32")
+    assert both["lm_head"] == {"sampler": "fp32", "trainer": "fp32"}
+    trainer = _probe_("--lm-head", "fp32", "--lm-head-side", "trainer")
+    assert trainer["lm_head"] == {"sampler": "compute", "trainer": "fp32"}
+    # the sampler's tokens are the same with a head change on the trainer side only: the
+    # comparison moves, the sampled tokens do not
+    assert trainer["tokens"] == base["tokens"]
+    assert trainer["total"]["kl_exact"] != base["total"]["kl_exact"]
+    ref = _probe_("--trainer-dtype", "fp32")
+    assert ref["trainer_dtype"] == "fp32" and ref["tokens"] == base["tokens"]
+    for s in (base, both, trainer, ref):
+        t = s["total"]
+        assert t["kl_exact"] >= 0 and t["logprob_diff_rms"] > 0
+        assert 0 <= t["ratio_outside_10pct"] <= 1
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--lm-head", "fp16"], "--lm-head must be compute or fp32"),
+    (["--lm-head", "fp32", "--lm-head-side", "nowhere"], "--lm-head-side"),
+    (["--trainer-dtype", "fp8"], "trainer dtype"),
+    (["--trainer-dtype", "fp32", "--sources", "precision"], "quick probe"),
+])
+def test_bad_head_options_are_one_line_and_exit_2(args, says):
+    res = runner.invoke(app, ["probe", "--gpu", "a100", "--dtype", "bf16", *args])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mismatch: error:") and says in lines[0]
