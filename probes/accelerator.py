@@ -42,14 +42,15 @@ class AcceleratorProbe:
         self.cannot: dict[str, str] = {}
         for gpu in GPUS:
             try:
-                spec = resolve(gpu, ctx.spec.dtype, ctx.spec.kv_cache)
+                spec = ctx.as_sampler(resolve(gpu, ctx.spec.dtype, ctx.spec.kv_cache))
             except ProfileError as exc:
                 self.cannot[gpu] = str(exc).split(";")[0]
                 continue
             self.gpus[gpu] = Variant(spec=spec, attention=True, path="decode")
         self.groups = fleet_groups(ctx.cfg.fleet_shares)
-        self.fleet = {f"{g}-{d}": Variant(spec=resolve(g, d, "fp8"), attention=True,
-                                          path="decode") for g, d, _ in self.groups}
+        self.fleet = {f"{g}-{d}": Variant(spec=ctx.as_sampler(resolve(g, d, "fp8")),
+                                          attention=True, path="decode")
+                      for g, d, _ in self.groups}
         self.tallies = {f"gpu {k}": Tally() for k in self.gpus}
         self.tallies.update({f"fleet {k}": Tally() for k in self.fleet})
         from .ladder import checkpoint_on_trainer_gpu

@@ -101,6 +101,11 @@ class ProbeContext:
         self.sampler = Variant(spec=self.spec, attention=True, path="decode")
         self.reference = Variant(spec=self.trainer, linears=cfg.trainer_kernels)
 
+    def as_sampler(self, spec: NumericsSpec) -> NumericsSpec:
+        """`spec` (another GPU or format a source probe compares) with the sampler side's LM head
+        (`--lm-head`, `--lm-head-side`)."""
+        return replace(spec, lm_head=self.spec.lm_head)
+
     def lm_heads(self) -> dict[str, str] | None:
         """The LM head's precision on each side, where one of them is FP32 (else None)."""
         heads = {"sampler": self.spec.lm_head, "trainer": self.trainer.lm_head}

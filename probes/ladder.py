@@ -41,7 +41,7 @@ def checkpoint_on_trainer_gpu(ctx: ProbeContext) -> NumericsSpec:
     it cannot, the target's own formats with that GPU's attention and FP32 accumulation."""
     tg = ctx.cfg.trainer_gpu
     try:
-        return resolve(tg, ctx.spec.dtype, ctx.spec.kv_cache)
+        return ctx.as_sampler(resolve(tg, ctx.spec.dtype, ctx.spec.kv_cache))
     except ProfileError:
         return with_spec(ctx.spec, attention=resolve(tg, ctx.trainer.dtype).attention,
                          accumulation="fp32")
@@ -52,12 +52,14 @@ class LadderProbe(PairedProbe):
     headline_name = "L2 + accelerator"
 
     def __init__(self, ctx: ProbeContext) -> None:
-        trainer_on_gpu = resolve(ctx.cfg.trainer_gpu, ctx.trainer.dtype)
+        # the rungs are sampler deployments: they carry the sampler side's LM head
+        trainer_on_gpu = ctx.as_sampler(resolve(ctx.cfg.trainer_gpu, ctx.trainer.dtype))
         formats = checkpoint_on_trainer_gpu(ctx)
         self.formats = formats
         l0 = Variant(spec=trainer_on_gpu, attention=True, path="decode")
         l1 = Variant(spec=formats, attention=True, path="decode")
-        target_kernels = Variant(spec=with_spec(ctx.trainer, attention=ctx.spec.attention),
+        target_kernels = Variant(spec=with_spec(ctx.trainer, attention=ctx.spec.attention,
+                                                lm_head=ctx.spec.lm_head),
                                  attention=True, path="decode")
         ref = ctx.reference
         pairs = {

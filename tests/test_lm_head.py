@@ -60,6 +60,19 @@ def test_fp32_head_is_the_float64_gemm_of_the_bf16_values_kept_in_fp32():
             pass
 
 
+def test_fp32_head_passes_the_gradient_to_the_weight():
+    torch.manual_seed(1)
+    model = _Tiny(v=50, h=16)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    g = torch.randn(4, 50)
+    with head_numerics(model, "fp32"):
+        (model.lm_head(x) * g).sum().backward()
+    # d/dW of sum(g * x W^T) = g^T x, in FP32 then stored in the weight's BF16
+    want = (g.double().t() @ x.double()).to(torch.bfloat16)
+    assert model.lm_head.weight.grad is not None
+    assert torch.equal(model.lm_head.weight.grad, want)
+
+
 def test_specs_carry_the_head_and_fp32_trainer():
     t = trainer_spec("fp32")
     assert (t.compute_dtype, t.kv_cache, t.lm_head) == ("fp32", "fp32", "compute")
@@ -140,3 +153,81 @@ def test_bad_head_options_are_one_line_and_exit_2(args, says):
     assert res.exit_code == 2, res.output
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mismatch: error:") and says in lines[0]
+
+
+def test_ladder_and_accelerator_rungs_carry_the_sampler_head(moe_dir, prompt_file):
+    """With the head in FP32 on the sampler side only, every sampler deployment the source
+    probes compare (the ladder's rungs, each GPU and fleet group) runs it too; the trainer side
+    keeps its BF16 head. On the trainer's own GPU and precision (b200 bf16) the ladder's
+    precision and accelerator rungs still add nothing."""
+    from mismatch.probes.accelerator import AcceleratorProbe
+    from mismatch.probes.context import ProbeContext
+    from mismatch.probes.ladder import LadderProbe
+
+    ctx = ProbeContext(ProbeConfig(gpu="b200", dtype="bf16", model=moe_dir, prompts=prompt_file,
+                                   n_prompts=4, max_new_tokens=8, batch_size=4, subset_prompts=4,
+                                   lm_head="fp32", lm_head_side="sampler"))
+    assert (ctx.spec.lm_head, ctx.trainer.lm_head) == ("fp32", "compute")
+    ladder = LadderProbe(ctx)
+    for name, (ref, other) in ladder.pairs.items():
+        assert ref.spec.lm_head == ("fp32" if name == "accelerator alone" else "compute"), name
+        assert other.spec.lm_head == "fp32", name
+    ladder.on_batch(ctx.sample_batch(0))
+    r = ladder.finish().extra
+    kernels, precision, accelerator = r["rungs"]
+    assert kernels["kl_exact"] > 0
+    assert precision["increment"] == 0 and accelerator["increment"] == 0
+    accel = AcceleratorProbe(ctx)
+    assert {v.spec.lm_head for v in (*accel.gpus.values(), *accel.fleet.values())} == {"fp32"}
+
+
+def test_training_with_an_fp32_head(tmp_path, model, tok):
+    """`mismatch train --lm-head fp32`: every sampler group and the trainer run the head in FP32;
+    the head's weight gets its gradient through the upcast (it moves), the trainer's log-probs
+    differ from the BF16 head's, and a short run completes with the head in its config."""
+    from mismatch.train.batch import Unit, build_batch, task_of
+    from mismatch.train.config import TrainConfig, preset_config
+    from mismatch.train.fleet import run_fleet
+    from mismatch.train.loop import run
+    from mismatch.train.rollout import run_episodes
+    from mismatch.train.trainer import Trainer, batch_loss
+
+    cfg = TrainConfig(correction="grpo", lr=1e-3, lm_head="fp32", fleet="mixed")
+    groups = run_fleet(cfg)
+    assert groups and all(g.spec.lm_head == "fp32" for g in groups)
+    assert all(g.spec.lm_head == "compute" for g in run_fleet(TrainConfig()))
+    group = groups[5]  # a BF16 group (as test_train_trainer's learning test)
+    eps = run_episodes(model, tok, [task_of(1, 0, ("arith",))] * 4, group, version=0,
+                       max_turns=2, max_new_tokens=40, top_k_candidates=32, seed=3,
+                       top_p=0.97, top_k=64)
+    rewards = torch.tensor([ep.reward for ep in eps])
+    assert bool((rewards != rewards[0]).any())  # a group with an advantage to learn from
+    b = build_batch([Unit(index=0, group=group.name, version=0, episodes=eps, seconds=0.0)],
+                    step=0, pad_id=0)
+    trainer = Trainer(model, cfg)
+    head = trainer.compute.get_output_embeddings()
+    with torch.no_grad():
+        _, _, _, lp_bf16, _, mask = batch_loss(trainer.compute, b, "grpo")
+        with head_numerics(trainer.compute, "fp32"):
+            _, _, _, lp_fp32, _, _ = batch_loss(trainer.compute, b, "grpo")
+    assert not torch.equal(lp_bf16[mask], lp_fp32[mask])
+    assert (lp_bf16[mask] - lp_fp32[mask]).abs().max() < 0.1  # a rounding, not a change
+    before = head.weight.detach().clone()
+    m = trainer.step(b)
+    assert m["grad_norm"] > 0 and not torch.equal(head.weight.detach(), before)
+    assert "forward" not in vars(head)  # the step's patch is gone
+    out = tmp_path / "run"
+    small = dict(steps=2, prompts_per_step=2, samples_per_prompt=2, max_turns=2,
+                 max_new_tokens=24, candidates=16, checkpoint_every=1, eval_tasks=0)
+    run(preset_config("smoke", lm_head="fp32", **small), out, model=model, tokenizer=tok,
+        log_alerts=False)
+    assert json.loads((out / "config.json").read_text())["lm_head"] == "fp32"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_train_refuses_an_unknown_head(tmp_path):
+    res = runner.invoke(app, ["train", "--preset", "smoke", "--lm-head", "fp8", "--out",
+                              str(tmp_path / "x")])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and "--lm-head must be compute or fp32" in lines[0]

@@ -29,6 +29,9 @@ class TrainConfig:
     (a path ending in .toml, as `mismatch plan` writes it: groups with their shares)."""
     correction: str = "sc+mis+topp"
     """Loss arm (train.loss.ARMS)."""
+    lm_head: str = "compute"
+    """The LM head's precision on the trainer and every sampler: "compute" (BF16, the logits
+    rounded to it) or "fp32" (inputs, weights and logits in FP32: mismatch.engines.head)."""
     steps: int = 200
     """Optimizer steps to reach (a resume may raise it)."""
     prompts_per_step: int = 4
@@ -96,6 +99,8 @@ class TrainConfig:
                              f"{', '.join(FLEET_PRESETS)} (or a fleet file, FILE.toml)")
         if self.correction not in ARMS:
             raise ValueError(f"unknown correction {self.correction!r}; arms: {', '.join(ARMS)}")
+        if self.lm_head not in ("compute", "fp32"):
+            raise ValueError(f"--lm-head must be compute or fp32, got {self.lm_head!r}")
         if self.tasks != "zoo":
             from mismatch.zoo.tasks import TASK_KINDS
 

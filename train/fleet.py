@@ -67,6 +67,14 @@ class SamplerGroup:
         return self.price_per_hour / 3600.0 / self.tokens_per_s
 
 
+def run_fleet(cfg) -> list[SamplerGroup]:
+    """The sampler groups a run samples with: `cfg.fleet`'s, each with the run's LM head
+    (`TrainConfig.lm_head`)."""
+    from dataclasses import replace
+
+    return [replace(g, spec=replace(g.spec, lm_head=cfg.lm_head)) for g in fleet(cfg.fleet)]
+
+
 def is_fleet_file(name: str) -> bool:
     """Whether a `--fleet` value names a fleet file (a path ending in .toml) rather than a
     preset."""

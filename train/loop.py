@@ -36,7 +36,7 @@ from mismatch.runtime import torch_threads
 from .batch import Unit, build_batch
 from .config import TrainConfig
 from .evaluation import evaluate_into
-from .fleet import SamplerGroup, fleet
+from .fleet import SamplerGroup, run_fleet
 from .pipeline import Pipeline, Publisher
 from .record import StepRecord
 from .rundir import (check_out, check_resume, cut_jsonl, read_metrics, restart_logs,
@@ -164,7 +164,7 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
         evaluate_into(evaluation, "base", trainer.policy(), tokenizer, cfg)
         write_json(eval_path, evaluation)
 
-    groups = fleet(cfg.fleet)
+    groups = run_fleet(cfg)
     cost_per_token = {g.name: g.cost_per_token for g in groups if g.cost_per_token is not None}
     monitor = CollapseMonitor(monitor_config or MonitorConfig(masked_loss=cfg.masks_tokens))
     for rec in history:  # rebuild baselines and debouncing state from the kept log

@@ -34,7 +34,7 @@ from mismatch.runtime import torch_threads
 
 from .batch import Unit
 from .config import TrainConfig
-from .fleet import SamplerGroup, fleet
+from .fleet import SamplerGroup, run_fleet
 from .ray_session import ray_module
 from .rundir import check_ranks, save_checkpoint
 from .sampling import model_at, sample_units, split_units
@@ -109,7 +109,7 @@ class SamplerActor(_Process):
 
     def __init__(self, cfg: TrainConfig, group_name: str) -> None:
         self.cfg = cfg
-        self.group = next(g for g in fleet(cfg.fleet) if g.name == group_name)
+        self.group = next(g for g in run_fleet(cfg) if g.name == group_name)
         self.base, self.tokenizer = _load(cfg)
         self.models: dict = {}
         self.scales: dict = {}  # calibrated activation scales per weight version

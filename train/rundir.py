@@ -97,15 +97,15 @@ def cut_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
 
 
 def check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
-    """A resume computes what the saved run computed: only RESUMABLE fields may differ."""
+    """A resume computes what the saved run computed: only RESUMABLE fields may differ. A field
+    the saved config lacks (a run from before the field existed) had its default."""
     changed = [f.name for f in fields(TrainConfig) if f.name not in TrainConfig.RESUMABLE
-               and saved.get(f.name) != getattr(cfg, f.name)]
+               and saved.get(f.name, f.default) != getattr(cfg, f.name)]
     if changed:
         name = changed[0]
         raise ValueError(f"the run was started with {name.replace('_', '-')}="
                          f"{saved.get(name)!r}, not {getattr(cfg, name)!r}; resume with the "
                          f"same settings or use another --out")
-
 
 
 def check_out(out: Path, resume: bool, cfg: TrainConfig | None = None) -> Path | None:

@@ -22,6 +22,8 @@ from mismatch.kernels.bf16_gemm import bf16_gemms
 from mismatch.metrics import kl_estimators
 from mismatch.runtime import torch_threads
 
+from mismatch.engines.head import head_numerics
+
 from .batch import Batch
 from .config import TrainConfig
 from .loss import ARMS, policy_loss, sc_tail_ratio
@@ -172,7 +174,8 @@ class Trainer:
     def step(self, batch: Batch) -> dict[str, Any]:
         """One corrected GRPO step; returns its metrics (floats). Runs on `self.threads`
         intra-op threads when set (the process's count is restored after)."""
-        with torch_threads(self.threads), bf16_gemms():
+        with torch_threads(self.threads), bf16_gemms(), \
+                head_numerics(self._loss_model(), self.cfg.lm_head):
             return self._step(batch)
 
     def _step(self, batch: Batch) -> dict[str, Any]:

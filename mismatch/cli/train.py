@@ -46,6 +46,9 @@ def train_command(
     correction: str = typer.Option("sc+mis+topp", "--correction", help="Loss arm: grpo, mis, "
                                    "icepop, tis, sc, sc+mis, sc+tis, grpo+topp (or topp), "
                                    "sc+mis+topp — the names `mismatch study --arms` takes."),
+    lm_head: str = typer.Option("compute", "--lm-head", help="The LM head's precision on the "
+                                "trainer and every sampler: compute (BF16) or fp32 (inputs, "
+                                "weights and logits in FP32, as MiniMax-M1 trained)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (preset's "
                                         "default: 200; smoke: 3)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its "
@@ -112,7 +115,8 @@ def train_command(
     try:
         prompts = one_of(prompts, prompts_alias)
         correction = ARM_ALIASES.get(correction, correction)
-        cfg = preset_config(preset, correction=correction, steps=steps, lr=lr,
+        cfg = preset_config(preset, correction=correction, lm_head=lm_head.lower(), steps=steps,
+                            lr=lr,
                             prompts_per_step=prompts, samples_per_prompt=samples,
                             max_staleness=max_staleness, staleness=staleness,
                             sync=sync or None, workers=workers,

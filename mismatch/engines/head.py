@@ -10,8 +10,10 @@ with an FP32 LM head" of Fast-LLM's log-prob accuracy comparison (ServiceNow/Fas
 request 525).
 
 `head_numerics(model, "fp32")` gives the model's output embedding an instance-level forward for
-the duration of the block; "compute" patches nothing. The scorer (scorer.py) and the engine both
-call the head module, so both see it.
+the duration of the block; "compute" patches nothing. The scorer (scorer.py), the engine and the
+trainer's scoring (train/scoring.py) all call the head module, so all see it. Under autograd the
+upcast weight is computed in the graph on every call (the head's weight gets its gradient);
+without, once per block (weights do not change inside one).
 """
 
 from __future__ import annotations
@@ -40,12 +42,15 @@ def head_numerics(model: torch.nn.Module, dtype: str = "compute"):
         raise ValueError(f"an FP32 LM head needs a linear output layer, the model has "
                          f"{type(head).__name__}")
     previous = head.__dict__.get("forward")
-    weight32: list[torch.Tensor] = []  # the upcast weight, made on the first call
+    weight32: list[torch.Tensor] = []  # the upcast weight, made on the first call without grad
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        bias = None if head.bias is None else head.bias.float()
+        if torch.is_grad_enabled() and head.weight.requires_grad:
+            # training: the upcast is part of the graph, so the head's weight gets its gradient
+            return F.linear(x.float(), head.weight.float(), bias)
         if not weight32:
             weight32.append(head.weight.detach().float())
-        bias = None if head.bias is None else head.bias.float()
         return F.linear(x.float(), weight32[0], bias)
 
     head.forward = forward
