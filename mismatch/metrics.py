@@ -217,7 +217,7 @@ _RATIO_KEYS = ("ratio_mean", "ratio_p01", "ratio_p50", "ratio_p99", "mis_masked_
                "ratio_outside_10pct")
 _DIFF_KEYS = ("abs_logprob_diff_mean", "abs_logprob_diff_p99", "abs_logprob_diff_max",
               "abs_prob_diff_max", "token_multiplicative_error", "logprob_diff_rms",
-              "logprob_diff_sd")
+              "logprob_diff_sd", "logprob_rel_rms")
 BAND_10PCT = (0.9, 1.1)
 """The ratio band published trainer-vs-sampler comparisons count tokens outside of
 (huggingface/trl issue #6789, verl issue #6280): `ratio_outside_10pct`."""
@@ -282,7 +282,10 @@ def _diff_stats(r, counted, n: int, trainer_logprobs, sampler_logprobs):
     mult = torch.where(counted, d.clamp(max=MAX_LOG_RATIO).exp(), 0.0)
     rd = r.double()
     mean = rd.sum() / n
+    ref_sq = torch.where(counted, trainer_logprobs.double(), 0.0).square().sum()
+    rel = torch.where(ref_sq > 0, ((rd * rd).sum() / ref_sq).sqrt(), _NAN)
     return {"logprob_diff_rms": ((rd * rd).sum() / n).sqrt(),
+            "logprob_rel_rms": rel,
             "logprob_diff_sd": (torch.where(counted, rd - mean, 0.0).square().sum() / n).sqrt(),
             "abs_logprob_diff_mean": d.sum() / n,
             "token_multiplicative_error": mult.sum() / n,
@@ -298,6 +301,9 @@ def _diff_np(rr: np.ndarray, t: np.ndarray, s: np.ndarray) -> dict[str, torch.Te
         return _nans(_DIFF_KEYS)
     rd = rr.astype(np.float64)
     rms = float(np.sqrt(np.dot(rd, rd) / n))
+    td = t.astype(np.float64)
+    ref_sq = float(np.dot(td, td))
+    rel = float(np.sqrt(np.dot(rd, rd) / ref_sq)) if ref_sq > 0 else _NAN
     sd = float(np.sqrt(np.square(rd - rd.sum() / n).sum() / n))
     d = np.abs(rr)
     mean, top = float(d.sum()), float(d.max())
@@ -306,6 +312,7 @@ def _diff_np(rr: np.ndarray, t: np.ndarray, s: np.ndarray) -> dict[str, torch.Te
     dp = np.exp(t, dtype=np.float64)
     dp -= np.exp(s, dtype=np.float64)
     return {"logprob_diff_rms": _f64(rms), "logprob_diff_sd": _f64(sd),
+            "logprob_rel_rms": _f64(rel),
             "abs_logprob_diff_mean": _f64(mean / n),
             "token_multiplicative_error": _f64(mult / n),
             "abs_logprob_diff_p99": _quantiles_np(d, (0.99,), torch.float64)[0],  # reorders d
@@ -319,7 +326,9 @@ def logprob_diff_stats(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
     (NVIDIA's "Run High-Throughput Reinforcement Learning Training with End-to-End FP8 Precision",
     NVIDIA Technical Blog, tracks it per recipe) over counted tokens; the RMS of Δ log p and its
     standard deviation (population), in nats, as trainer-vs-sampler comparisons publish them
-    (ServiceNow/Fast-LLM PR #525, huggingface/trl issue #6789)."""
+    (ServiceNow/Fast-LLM PR #525, huggingface/trl issue #6789); and the RMS of Δ log p relative
+    to the RMS of the reference's (the trainer's) log p, Fast-LLM's "RMS rel" (NaN when every
+    counted reference log-prob is 0)."""
     if _host(trainer_logprobs, sampler_logprobs, mask):
         r, counted, _ = _tokens_np(trainer_logprobs, sampler_logprobs, mask)
         return _diff_np(r[counted], _ndarray(trainer_logprobs)[counted],

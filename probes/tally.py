@@ -22,7 +22,8 @@ __all__ = ["Tally", "SUMMARY_KEYS", "NOISE_FLOOR", "CI_REL_TARGET"]
 
 SUMMARY_KEYS = ("kl_k3", "kl_k1", "kl_k2", "abs_logprob_diff_mean", "abs_logprob_diff_p99",
                 "abs_logprob_diff_max", "token_multiplicative_error", "mis_masked_fraction",
-                "ratio_mean", "ess", "logprob_diff_rms", "logprob_diff_sd", "ratio_outside_10pct")
+                "ratio_mean", "ess", "logprob_diff_rms", "logprob_diff_sd", "logprob_rel_rms",
+                "ratio_outside_10pct")
 NOISE_FLOOR = 1e-7
 """nats/token: exact KL below this is at the resolution of FP32 log-probs on these models; the
 interval target does not apply there."""

@@ -195,4 +195,7 @@ def test_published_comparison_figures_match_reference(monkeypatch, numpy_path):
         math.sqrt(sum((x - mean) ** 2 for x in r) / n), rel=1e-12)
     outside = sum(1 for x in r if math.exp(x) < 0.9 or math.exp(x) > 1.1) / n
     assert got["ratio_outside_10pct"].item() == pytest.approx(outside, rel=1e-12)
+    # Fast-LLM's "RMS rel": RMS(Δ log p) / RMS(the reference's log p), the trainer's here
+    rel = math.sqrt(sum(x * x for x in r) / sum(t * t for t, _ in toks))
+    assert got["logprob_rel_rms"].item() == pytest.approx(rel, rel=1e-12)
     assert 0 < outside < 1  # the records straddle the band: the check can fail

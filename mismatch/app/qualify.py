@@ -31,6 +31,7 @@ TOTAL_METRICS = {
     "abs_logprob_diff_max": "largest |Δ log p|",
     "logprob_diff_rms": "RMS of Δ log p, nats",
     "logprob_diff_sd": "standard deviation of Δ log p, nats",
+    "logprob_rel_rms": "RMS of Δ log p relative to the RMS of the trainer's log p",
     "ratio_outside_10pct": "share of tokens whose π/μ leaves [0.9, 1.1]",
 }
 SOURCE_METRICS = {

@@ -21,6 +21,7 @@ _ROWS = (("kl_exact", "KL exact", "{:.3e}"), ("kl_exact_ci95", "KL exact 95% CI"
          ("abs_logprob_diff_p99", "|Δlogp| p99", "{:.3e}"),
          ("abs_logprob_diff_max", "|Δlogp| max", "{:.3e}"),
          ("logprob_diff_rms", "Δlogp RMS", "{:.3e}"),
+         ("logprob_rel_rms", "Δlogp RMS rel", "{:.3%}"),
          ("logprob_diff_sd", "Δlogp sd", "{:.3e}"),
          ("mis_masked_fraction", "outside [0.5, 5]", "{:.4%}"),
          ("ratio_outside_10pct", "outside [0.9, 1.1]", "{:.4%}"),
