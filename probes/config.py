@@ -36,6 +36,9 @@ class ProbeConfig:
     `lm_head_side` names (mismatch.engines.head)."""
     lm_head_side: str = "both"
     """Where `lm_head` applies: "trainer", "sampler" or "both"."""
+    fp32_reference: bool = False
+    """The quick probe also scores the tokens with an FP32 model and reports each side against
+    it (`references` in results.json)."""
     model: Path | None = None
     """Hugging Face model directory (None: the embedded model)."""
     prompts: Path | None = None
@@ -92,6 +95,9 @@ class ProbeConfig:
         if self.lm_head_side not in ("trainer", "sampler", "both"):
             raise ProbeError(f"--lm-head-side must be trainer, sampler or both, got "
                              f"{self.lm_head_side!r}")
+        if self.fp32_reference and (self.sources or self.ladder):
+            raise ProbeError("--fp32-reference is a column of the quick probe; run it without "
+                             "--sources and --ladder")
         if self.trainer_dtype == "fp32" and (self.sources or self.ladder):
             raise ProbeError("--trainer-dtype fp32 is a reference for the quick probe; the "
                              "source probes (--sources, --ladder) run a bf16 or fp16 trainer")

@@ -50,6 +50,8 @@ class ProbeSummary:
     """--ci-target: {"target", "met", "unmet"} (the sources runner)."""
     ladder: dict[str, Any] | None = None
     """The cumulative ladder of sources, where asked for (--ladder)."""
+    references: dict[str, Any] | None = None
+    """--fp32-reference: {"sampler vs fp32", "trainer vs fp32"} → each side against FP32."""
     lm_head: dict[str, str] | None = None
     """{"sampler", "trainer"} → the LM head's precision, where one side's is FP32 (--lm-head)."""
 
@@ -69,6 +71,8 @@ class ProbeSummary:
         if self.ci_target is not None:
             out["ci_target"] = self.ci_target
         out["sources"] = self.sources
+        if self.references is not None:
+            out["references"] = self.references
         if self.ladder is not None:
             out["ladder"] = self.ladder
         return out

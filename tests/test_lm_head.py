@@ -142,7 +142,30 @@ def test_probe_sides_of_the_head_and_the_fp32_reference(moe_dir, prompt_file):
         assert 0 <= t["ratio_outside_10pct"] <= 1
 
 
+def test_fp32_reference_columns(moe_dir, prompt_file, tmp_path):
+    """--fp32-reference: the sampler and the trainer each against an FP32 forward of the same
+    tokens, in results.json's `references` and as two more report columns; with an FP32 trainer
+    the trainer's column is exactly 0."""
+    s = _probe(moe_dir, prompt_file, "--fp32-reference")
+    refs = s["references"]
+    assert set(refs) == {"sampler vs fp32", "trainer vs fp32"}
+    assert refs["sampler vs fp32"]["k_estimators_valid"] is True
+    assert refs["trainer vs fp32"]["k_estimators_valid"] is False  # the trainer drew nothing
+    assert refs["sampler vs fp32"]["kl_exact"] > 0 and refs["trainer vs fp32"]["kl_exact"] > 0
+    assert "references" not in _probe(moe_dir, prompt_file)
+    same = _probe(moe_dir, prompt_file, "--fp32-reference", "--trainer-dtype", "fp32")
+    assert same["references"]["trainer vs fp32"]["kl_exact"] == 0
+    assert same["references"]["trainer vs fp32"]["abs_logprob_diff_max"] == 0
+    assert same["references"]["sampler vs fp32"]["kl_exact"] == pytest.approx(
+        same["total"]["kl_exact"], rel=1e-9)  # the same comparison, tallied twice
+    from mismatch.app.report import format_table
+
+    header = format_table(s).splitlines()[0]
+    assert "sampler vs fp32" in header and "trainer vs fp32" in header
+
+
 @pytest.mark.parametrize("args, says", [
+    (["--fp32-reference", "--ladder"], "--fp32-reference is a column of the quick probe"),
     (["--lm-head", "fp16"], "--lm-head must be compute or fp32"),
     (["--lm-head", "fp32", "--lm-head-side", "nowhere"], "--lm-head-side"),
     (["--trainer-dtype", "fp8"], "trainer dtype"),

@@ -46,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from mismatch.profiles import check_local_gpu, local_gpu, resolve
+from mismatch.profiles import check_local_gpu, local_gpu, resolve, trainer_spec
 from mismatch.probes.base import Variant
 from mismatch.probes.config import ProbeConfig
 from mismatch.probes.context import ProbeContext
@@ -65,6 +65,8 @@ SOURCES_REPORTED = ("precision", "accelerator")
 SPLIT = {"total": ("trainer", "sampler"), "precision": ("trainer", "precision"),
          "accelerator": ("precision", "sampler")}
 """Column → (reference π, other μ): each column is KL(μ ‖ π) between two configurations."""
+REFERENCES = {"sampler vs fp32": ("fp32", "sampler"), "trainer vs fp32": ("fp32", "trainer")}
+"""--fp32-reference's columns: each side against an FP32 forward of the same tokens."""
 
 
 class SplitProbe(PairedProbe):
@@ -75,10 +77,12 @@ class SplitProbe(PairedProbe):
 
     def __init__(self, ctx: ProbeContext) -> None:
         configurations = {"trainer": ctx.reference, "sampler": ctx.sampler,
-                          "precision": Variant(spec=ctx.spec)}
-        super().__init__(ctx, {name: (configurations[SPLIT[name][0]],
-                                      configurations[SPLIT[name][1]])
-                               for name in SOURCES_REPORTED})
+                          "precision": Variant(spec=ctx.spec),
+                          "fp32": Variant(spec=trainer_spec("fp32"))}
+        pairs = {**{name: SPLIT[name] for name in SOURCES_REPORTED},
+                 **(REFERENCES if ctx.cfg.fp32_reference else {})}
+        super().__init__(ctx, {name: (configurations[a], configurations[b])
+                               for name, (a, b) in pairs.items()})
 
 
 @dataclass
@@ -108,8 +112,11 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
         split = SplitProbe(ctx)
         tallies = {"total": run_batches(ctx, [split]).total, **split.tallies}
         columns = {name: tallies[name].summary(cfg.seed) for name in SPLIT}
-    for name, col in columns.items():
-        col["k_estimators_valid"] = SPLIT[name][1] == "sampler"  # tokens drawn from μ itself
+        references = {name: tallies[name].summary(cfg.seed)
+                      for name in REFERENCES if name in tallies}
+    for name, col in (*columns.items(), *references.items()):
+        # tokens drawn from μ itself
+        col["k_estimators_valid"] = {**SPLIT, **REFERENCES}[name][1] == "sampler"
     summary = ProbeSummary(
         gpu=spec.gpu, dtype=spec.dtype, kv_cache=spec.kv_cache,
         trainer_dtype=ctx.trainer.dtype, trainer_kernels=cfg.trainer_kernels,
@@ -117,7 +124,8 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
         mode=ctx.mode, model=str(cfg.model) if cfg.model else "embedded",
         kernel_path=spec.kernel_path, attention=spec.attention,
         prompts=len(ctx.prompts), tokens=tallies["total"].tokens, total=columns["total"],
-        sources={name: columns[name] for name in SOURCES_REPORTED})
+        sources={name: columns[name] for name in SOURCES_REPORTED},
+        references=references or None)
     per_pos = {name: _per_position(tallies[name]) for name in SPLIT}
     return ProbeResult(record=summary, log_ratio_total=tallies["total"].log_ratio(),
                        per_position=per_pos)

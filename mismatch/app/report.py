@@ -28,8 +28,9 @@ _ROWS = (("kl_exact", "KL exact", "{:.3e}"), ("kl_exact_ci95", "KL exact 95% CI"
          ("ess", "ESS", "{:.5f}"))
 _OFF = "n/a†"
 _FOOTNOTE = ("† k1/k3 and ESS estimate KL(μ‖π) only on tokens drawn from μ; the precision "
-             "configuration drew none (the tokens are the sampler's), so only its exact KL "
-             "counts (the JSON keeps the token figures, flagged k_estimators_valid: false).")
+             "configuration (and the trainer, against FP32) drew none (the tokens are the "
+             "sampler's), so only its exact KL counts (the JSON keeps the token figures, "
+             "flagged k_estimators_valid: false).")
 _MEANING = ("Columns: `total` = KL(sampler ‖ trainer); `precision` = KL(precision ‖ trainer), "
             "the trainer's forward with the sampler's formats (weights decoded from their real "
             "storage, activations and KV cache quantized); `accelerator` = KL(sampler ‖ "
@@ -42,7 +43,8 @@ _MEANING = ("Columns: `total` = KL(sampler ‖ trainer); `precision` = KL(precis
 
 
 def _columns(summary: dict) -> list[tuple[str, dict]]:
-    return [("total", summary["total"])] + list(summary["sources"].items())
+    return ([("total", summary["total"])] + list(summary["sources"].items())
+            + list((summary.get("references") or {}).items()))
 
 
 def _cell(col: dict, key: str, fmt: str | None) -> str:

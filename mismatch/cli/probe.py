@@ -23,6 +23,9 @@ def probe_command(
                                 "weights and logits in FP32: MiniMax-M1's mitigation)."),
     lm_head_side: str = typer.Option("both", "--lm-head-side", help="Where --lm-head applies: "
                                      "trainer, sampler or both."),
+    fp32_reference: bool = typer.Option(False, "--fp32-reference", help="Also score the tokens "
+                                        "with an FP32 model: two more columns, the sampler and "
+                                        "the trainer each against FP32 (the quick probe)."),
     model: Path | None = typer.Option(None, "--model", help="Hugging Face model directory "
                                       "(default: the embedded model)."),
     prompts: Path | None = typer.Option(None, "--prompts", help="JSONL prompts: "
@@ -91,7 +94,7 @@ def probe_command(
 
         cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache,
                           trainer_dtype=trainer_dtype.lower(), lm_head=lm_head.lower(),
-                          lm_head_side=lm_head_side.lower(),
+                          lm_head_side=lm_head_side.lower(), fp32_reference=fp32_reference,
                           model=model, prompts=prompts, n_prompts=n_prompts,
                           max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
                           threads=threads, sources=parse_sources(sources), ladder=ladder,
