@@ -48,3 +48,24 @@ def test_committed_smollm2_figures_back_the_report():
     assert "0.444%" in text and "0.94x" in text
     report = (ROOT / "reports" / "fidelity.md").read_text()
     assert text in report  # the report's table is this JSON's
+
+
+def test_off_grid_moves_4bit_weights_within_half_a_step():
+    spec = importlib.util.spec_from_file_location("off_grid", ROOT / "scripts" / "off_grid.py")
+    og = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(og)
+    gen = torch.Generator().manual_seed(0)
+    # a Q4_1-like tensor: per block of 32, d·q + m with q in 0..15
+    q = torch.randint(0, 16, (8, 64), generator=gen).double()
+    d = torch.rand(16, 1, generator=gen, dtype=torch.float64) * 0.01 + 1e-3
+    m = torch.randn(16, 1, generator=gen, dtype=torch.float64) * 0.01
+    w = (q.reshape(-1, 32) * d + m).reshape(8, 64).to(torch.bfloat16)
+    assert og.on_grid(w)
+    assert not og.on_grid(torch.randn(8, 64, generator=gen).to(torch.bfloat16))
+    assert not og.on_grid(torch.zeros(8, 30))  # not a whole number of blocks
+    moved = og.off_grid(w, gen)
+    assert moved.dtype == w.dtype and not og.on_grid(moved)
+    blocks, after = w.double().reshape(-1, 32), moved.double().reshape(-1, 32)
+    step = (blocks.max(1, keepdim=True).values - blocks.min(1, keepdim=True).values) / 15
+    # within half a step, plus the BF16 rounding of the result (half an ulp, 2^-9 relative)
+    assert ((after - blocks).abs() <= step / 2 + after.abs() * 2 ** -8).all()
