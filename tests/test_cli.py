@@ -44,7 +44,7 @@ SNAPSHOT = {
               "--placement", "--preset",
               "--prompts", "--quiet", "--replicas", "--resume", "--sampler-processes", "--samples",
               "--seed", "--staleness", "--steps", "--stop-on", "--sync", "--tasks", "--threads",
-              "--trainer-ranks", "--weights-dir", "--workers"],
+              "--trainer-dtype", "--trainer-ranks", "--weights-dir", "--workers"],
     "zoo build": ["--out", "--seed", "--steps"],
     "zoo info": ["--model"],
     "zoo path": [],

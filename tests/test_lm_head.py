@@ -254,3 +254,37 @@ def test_train_refuses_an_unknown_head(tmp_path):
     assert res.exit_code == 2, res.output
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and "--lm-head must be compute or fp32" in lines[0]
+
+
+def test_training_with_an_fp32_trainer(tmp_path, model, tok):
+    """`mismatch train --trainer-dtype fp32`: the trainer computes in FP32 (its master), the
+    samplers still load BF16 weights, and a short run with sampler processes completes."""
+    from mismatch.train.config import TrainConfig, preset_config
+    from mismatch.train.loop import run
+    from mismatch.train.trainer import Trainer
+
+    trainer = Trainer(model, TrainConfig(trainer_dtype="fp32"))
+    assert next(trainer.compute.parameters()).dtype == torch.float32
+    published = trainer.published()
+    assert {w.dtype for w in published.values() if w.is_floating_point()} == {torch.bfloat16}
+    master = dict(trainer.master.named_parameters())
+    for name, w in published.items():
+        if name in master:
+            assert torch.equal(w, master[name].detach().to(torch.bfloat16))
+    assert next(trainer.policy().parameters()).dtype == torch.bfloat16
+    assert next(Trainer(model, TrainConfig()).compute.parameters()).dtype == torch.bfloat16
+    out = tmp_path / "run"
+    small = dict(steps=2, prompts_per_step=2, samples_per_prompt=2, max_turns=2,
+                 max_new_tokens=24, candidates=16, checkpoint_every=1, eval_tasks=0)
+    run(preset_config("smoke", trainer_dtype="fp32", **small), out, model=model,
+        tokenizer=tok, log_alerts=False)
+    assert json.loads((out / "config.json").read_text())["trainer_dtype"] == "fp32"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["kl"] >= 0 for r in records)
+
+
+def test_train_refuses_an_unknown_trainer_dtype(tmp_path):
+    res = runner.invoke(app, ["train", "--preset", "smoke", "--trainer-dtype", "fp16", "--out",
+                              str(tmp_path / "x")])
+    assert res.exit_code == 2, res.output
+    assert "--trainer-dtype must be bf16 or fp32" in res.output.strip().splitlines()[0]

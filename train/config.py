@@ -29,6 +29,9 @@ class TrainConfig:
     (a path ending in .toml, as `mismatch plan` writes it: groups with their shares)."""
     correction: str = "sc+mis+topp"
     """Loss arm (train.loss.ARMS)."""
+    trainer_dtype: str = "bf16"
+    """The trainer's compute dtype: "bf16" (the FP32 master's BF16 cast) or "fp32" (a
+    reference: the master itself computes). The samplers get BF16 weights either way."""
     lm_head: str = "compute"
     """The LM head's precision on the trainer and every sampler: "compute" (BF16, the logits
     rounded to it) or "fp32" (inputs, weights and logits in FP32: mismatch.engines.head)."""
@@ -99,6 +102,8 @@ class TrainConfig:
                              f"{', '.join(FLEET_PRESETS)} (or a fleet file, FILE.toml)")
         if self.correction not in ARMS:
             raise ValueError(f"unknown correction {self.correction!r}; arms: {', '.join(ARMS)}")
+        if self.trainer_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"--trainer-dtype must be bf16 or fp32, got {self.trainer_dtype!r}")
         if self.lm_head not in ("compute", "fp32"):
             raise ValueError(f"--lm-head must be compute or fp32, got {self.lm_head!r}")
         if self.tasks != "zoo":

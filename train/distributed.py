@@ -82,6 +82,9 @@ class ShardedTrainer(Trainer):
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if cfg.trainer_dtype != "bf16":
+            raise ValueError("--trainer-dtype fp32 trains on one trainer rank; leave "
+                             "--trainer-ranks at 1")
         if cfg.lm_head != "compute":
             raise ValueError("--lm-head fp32 trains on one trainer rank; leave --trainer-ranks "
                              "at 1 (the sharded trainer's head runs in the compute dtype)")

@@ -23,6 +23,7 @@ from mismatch.metrics import kl_estimators
 from mismatch.runtime import torch_threads
 
 from mismatch.engines.head import head_numerics
+from mismatch.probes.base import TORCH_DTYPES
 
 from .batch import Batch
 from .config import TrainConfig
@@ -126,10 +127,12 @@ def lockstep_threads(cfg: TrainConfig) -> int | None:
 
 class Trainer:
     """FP32 master + AdamW; the loss runs on the master's BF16 cast (the trainer's numerics;
-    `compute_dtype` FP32 for reference comparisons)."""
+    `compute_dtype`, by default `cfg.trainer_dtype`, FP32 for reference comparisons). Samplers
+    get BF16 weights whatever the trainer computes in."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig,
-                 compute_dtype: torch.dtype = torch.bfloat16) -> None:
+                 compute_dtype: torch.dtype | None = None) -> None:
+        compute_dtype = compute_dtype or TORCH_DTYPES[cfg.trainer_dtype]
         self.cfg = cfg
         self.master = copy.deepcopy(model).float()
         self.compute = copy.deepcopy(model).to(compute_dtype)
@@ -148,7 +151,9 @@ class Trainer:
 
     def published(self) -> dict[str, torch.Tensor]:
         """The BF16 weights samplers load (a copy: safe to hand to other threads)."""
-        return {n: p.detach().clone() for n, p in self.compute.state_dict().items()}
+        return {n: p.detach().to(torch.bfloat16, copy=True)
+                if p.is_floating_point() else p.detach().clone()
+                for n, p in self.compute.state_dict().items()}
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds of the trainer (`trainer_ranks` 1: AdamW state by index)."""
@@ -164,7 +169,7 @@ class Trainer:
 
     def policy(self) -> torch.nn.Module:
         """A copy of the policy as it is now (the BF16 cast), for evaluation and export."""
-        return copy.deepcopy(self.compute)
+        return copy.deepcopy(self.compute).to(torch.bfloat16)
 
     def save(self, out: Path, step: int, next_unit: int,
              older: dict[int, dict[str, torch.Tensor]] | None = None) -> Path:

@@ -46,6 +46,9 @@ def train_command(
     correction: str = typer.Option("sc+mis+topp", "--correction", help="Loss arm: grpo, mis, "
                                    "icepop, tis, sc, sc+mis, sc+tis, grpo+topp (or topp), "
                                    "sc+mis+topp — the names `mismatch study --arms` takes."),
+    trainer_dtype: str = typer.Option("bf16", "--trainer-dtype", help="The trainer's compute "
+                                      "dtype: bf16, or fp32 (a reference; samplers still get "
+                                      "BF16 weights)."),
     lm_head: str = typer.Option("compute", "--lm-head", help="The LM head's precision on the "
                                 "trainer and every sampler: compute (BF16) or fp32 (inputs, "
                                 "weights and logits in FP32, as MiniMax-M1 trained)."),
@@ -115,7 +118,8 @@ def train_command(
     try:
         prompts = one_of(prompts, prompts_alias)
         correction = ARM_ALIASES.get(correction, correction)
-        cfg = preset_config(preset, correction=correction, lm_head=lm_head.lower(), steps=steps,
+        cfg = preset_config(preset, correction=correction, lm_head=lm_head.lower(),
+                            trainer_dtype=trainer_dtype.lower(), steps=steps,
                             lr=lr,
                             prompts_per_step=prompts, samples_per_prompt=samples,
                             max_staleness=max_staleness, staleness=staleness,
