@@ -258,7 +258,7 @@ def test_train_refuses_an_unknown_head(tmp_path):
 
 def test_training_with_an_fp32_trainer(tmp_path, model, tok):
     """`mismatch train --trainer-dtype fp32`: the trainer computes in FP32 (its master), the
-    samplers still load BF16 weights, and a short run with sampler processes completes."""
+    samplers still load BF16 weights, and a short run (in-process samplers) completes."""
     from mismatch.train.config import TrainConfig, preset_config
     from mismatch.train.loop import run
     from mismatch.train.trainer import Trainer
