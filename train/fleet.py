@@ -37,7 +37,7 @@ import math
 import random
 import threading
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from mismatch.fleets import FLEETS
@@ -70,8 +70,6 @@ class SamplerGroup:
 def run_fleet(cfg) -> list[SamplerGroup]:
     """The sampler groups a run samples with: `cfg.fleet`'s, each with the run's LM head
     (`TrainConfig.lm_head`)."""
-    from dataclasses import replace
-
     return [replace(g, spec=replace(g.spec, lm_head=cfg.lm_head)) for g in fleet(cfg.fleet)]
 
 

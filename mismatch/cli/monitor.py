@@ -53,6 +53,16 @@ def _display(as_json: bool):
     return TerminalSink(Console(soft_wrap=True))
 
 
+def _run_masks_tokens(path: Path) -> bool:
+    """Whether `path` is a `mismatch train` run whose loss masks tokens. Only a run folder, or
+    the metrics.jsonl in one, can be: any other log is judged without reading torch's modules."""
+    if not (path.is_dir() or path.name == "metrics.jsonl"):
+        return False
+    from mismatch.train.rundir import run_masks_tokens
+
+    return run_masks_tokens(path)
+
+
 def monitor_command(
     file: Path = typer.Argument(..., help="Metrics log: JSON lines (one object per step), "
                                 "slime/Miles console lines, TRL's trainer_state.json (or "
@@ -105,7 +115,6 @@ def monitor_command(
                                          default_rules, stop_on_signals, summary_line,
                                          unreadable, with_kl_floor)
     from mismatch.probes.monitor.formats import RecordReader, get_adapter
-    from mismatch.train.rundir import run_masks_tokens
 
     try:
         if fail_on not in SEVERITIES:
@@ -119,7 +128,7 @@ def monitor_command(
         check_log(file, adapter, follow=follow)
         config = MonitorConfig(rules=with_kl_floor(default_rules(), kl_floor),
                                baselines=baselines_from_log(baseline, adapter) if baseline else {},
-                               masked_loss=masked_loss or run_masks_tokens(file))
+                               masked_loss=masked_loss or _run_masks_tokens(file))
         sinks = open_sinks(_display(as_json), alert_log=alert_log,
                            prometheus_port=prometheus_port, webhook=webhook)
         if prometheus_port is not None:
