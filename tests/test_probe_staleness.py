@@ -195,3 +195,26 @@ def _check_one_line_error_plain(ctx: ProbeContext, needle: str) -> None:
     with pytest.raises(ProbeError) as err:
         staleness.run(ctx)
     assert "\n" not in str(err.value) and needle in str(err.value), str(err.value)
+
+
+def test_the_ladder_steps_through_train_s_trainer_and_skips_a_non_finite_gradient(monkeypatch):
+    """The ladder's steps are `Trainer.step`'s: a step whose gradient is not finite (NaN
+    advantages here) leaves the master as it was, as in a training run, and the next one moves
+    it again."""
+    import mismatch.train.ladder as ladder_module
+    from mismatch.train.trainer import Trainer
+
+    steps: list[dict] = []
+    real_step, real_adv = Trainer.step, ladder_module.group_advantages
+    monkeypatch.setattr(Trainer, "step", lambda self, b: steps.append(real_step(self, b))
+                        or steps[-1])
+    calls = iter(range(100))
+    monkeypatch.setattr(ladder_module, "group_advantages",
+                        lambda r: real_adv(r) * (float("nan") if next(calls) == 0 else 1.0))
+    ctx = _context(n_prompts=4, subset_prompts=4, max_new_tokens=4, staleness_max_lag=2,
+                   staleness_lr=1e-3)
+    ladder = PolicyGradientLadder(ctx)
+    ladder.prepare(lambda: None)
+    assert len(steps) == 2
+    assert steps[0]["skipped_nonfinite"] and not steps[1]["skipped_nonfinite"]
+    assert ladder.changed_fraction[0] == 0.0 and ladder.changed_fraction[1] > 0

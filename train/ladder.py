@@ -1,10 +1,10 @@
 """The staleness probe's checkpoint ladder: θ_0 … θ_K from K real policy-gradient steps.
 
-The trainer model is deep-copied into an FP32 master (the run's shared model is never touched)
-and K AdamW steps (lr = `StalenessConfig.lr`, betas (0.9, 0.999), weight decay 0, gradient-norm
-clip 1, as train's Trainer takes them) are taken with train's own loss
-(mismatch.train.loss.policy_loss, arm "grpo") on the zoo's training tasks (`mismatch.zoo.tasks`,
-split "train", rendered with the chat template and `TOOLS` as the probe renders its prompts).
+The trainer model is copied into train's `Trainer` (an FP32 master and AdamW; the run's shared
+model is never touched) and K of its steps (lr = `StalenessConfig.lr`, the run's defaults
+otherwise: betas (0.9, 0.999), weight decay 0, gradient-norm clip 1) are taken on the zoo's
+training tasks (`mismatch.zoo.tasks`, split "train", rendered with the chat template and
+`TOOLS` as the probe renders its prompts).
 Each step samples a group of `GROUP_SIZE` completions (temperature 1, at most
 `TRAIN_MAX_NEW_TOKENS` tokens: one assistant turn) for each of `PROMPTS_PER_STEP` prompts from
 the current policy θ_j — the served-dtype cast of the master, decoded by the emulated sampler in
@@ -12,13 +12,15 @@ the trainer numerics. Reward: 1 when the first reply is a well-formed `calc` cal
 expression the tool evaluates to the value of the task's gold first expression, else 0 (the
 first step of the episode in `mismatch.zoo.episode`; the final `submit` reward needs that value).
 Advantages are group-normalized without std normalization (the study's GRPO baseline, as in
-Dr. GRPO: Liu et al., arXiv:2503.20783); the loss is the token-level mean −A·log π(y_t) over the batch's completion tokens, computed on the
-FP32 master (rows with zero advantage add exactly nothing to it and are not run). A batch in
-which every group's rewards are equal carries no gradient; it is replaced by a fresh batch of
-prompts, `MAX_DRAWS` batches at most (a coarse form of DAPO's dynamic sampling), after which the
-step is taken anyway (a real AdamW step, zero gradient). After step j the master is cast to the
-serving dtype (BF16 by default): that cast is θ_j, what a sampler would serve. The share of
-elements whose cast changed is recorded per step.
+Dr. GRPO: Liu et al., arXiv:2503.20783; train.loss.group_advantages); the step is train's own
+(`mismatch.train.trainer.Trainer.step` with arm "grpo", computing in FP32 on the master: the
+loss is the token-level mean −A·log π(y_t) over the batch's completion tokens, the gradient is
+clipped, and a step whose gradient norm is not finite is skipped, as in every training run).
+A batch in which every group's rewards are equal carries no gradient; it is replaced by a fresh
+batch of prompts, `MAX_DRAWS` batches at most (a coarse form of DAPO's dynamic sampling), after
+which the step is taken anyway (a real AdamW step, zero gradient). After step j the master is
+cast to the serving dtype (BF16 by default): that cast is θ_j, what a sampler would serve. The
+share of elements whose cast changed is recorded per step.
 
 The ladder is built here, in the train layer, and handed to the staleness probe
 (mismatch.probes.staleness.run(ctx, ladder=PolicyGradientLadder)) by the application layer; the
@@ -35,9 +37,12 @@ import torch
 
 from mismatch.probes.base import TORCH_DTYPES
 from mismatch.probes.context import ProbeContext
-from mismatch.probes.staleness import fraction_changed, rows_of
+from mismatch.probes.staleness import fraction_changed
 from mismatch.records import Rollout
-from mismatch.train.loss import ARMS, policy_loss
+from mismatch.train.batch import Batch
+from mismatch.train.config import TrainConfig
+from mismatch.train.loss import group_advantages
+from mismatch.train.trainer import Trainer
 
 __all__ = ["PolicyGradientLadder", "GROUP_SIZE", "MAX_DRAWS", "PROMPTS_PER_STEP",
            "TRAIN_MAX_NEW_TOKENS"]
@@ -50,8 +55,6 @@ TRAIN_MAX_NEW_TOKENS = 64
 """Cap of a training completion: one assistant turn (the gold first turn is 37-59 tokens)."""
 MAX_DRAWS = 4
 """Batches drawn at most per step while every group's rewards are equal (no gradient)."""
-BETAS = (0.9, 0.999)
-GRAD_CLIP = 1.0
 
 
 class PolicyGradientLadder:
@@ -76,24 +79,15 @@ class PolicyGradientLadder:
 
     def prepare(self, tick: Callable[[], None]) -> None:
         ctx = self.ctx
-        master = copy.deepcopy(ctx.model(ctx.trainer.compute_dtype)).float()
-        optimizer = torch.optim.AdamW(master.parameters(), lr=self.lr, betas=BETAS,
-                                      weight_decay=0.0, foreach=False)
-        self._snapshots.append(self._cast(master))
+        cfg = TrainConfig(correction="grpo", lr=self.lr, trainer_dtype="fp32",
+                          samples_per_prompt=GROUP_SIZE, prompts_per_step=PROMPTS_PER_STEP)
+        trainer = Trainer(ctx.model(ctx.trainer.compute_dtype), cfg)
+        self._snapshots.append(self._cast(trainer.master))
         for step in range(self.k_max):
             _load_weights(self._working, self._snapshots[-1])
-            rollout, advantages, rewards, informative = self._draw(step)
-            rows = advantages.nonzero()[:, 0]
-            if rows.numel():  # rows with A = 0 add exactly nothing to the gradient: skip them
-                with torch.enable_grad():
-                    _grpo_loss(master, rollout, rows, advantages).backward()
-                torch.nn.utils.clip_grad_norm_(master.parameters(), GRAD_CLIP)
-            else:  # a zero gradient, still a step: AdamW skips parameters without a .grad
-                for p in master.parameters():
-                    p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            self._snapshots.append(self._cast(master))
+            rollout, rewards, informative = self._draw(step)
+            trainer.step(_batch(rollout, group_advantages(rewards).reshape(-1), ctx.pad_id))
+            self._snapshots.append(self._cast(trainer.master))
             self.changed_fraction.append(fraction_changed(self._snapshots[-1],
                                                            self._snapshots[-2]))
             self.mean_reward.append(float(rewards.mean()))
@@ -106,7 +100,7 @@ class PolicyGradientLadder:
                 for n, p in master.named_parameters()}
 
     def _draw(self, step: int):
-        """One step's batch: (rollout, advantages [B], rewards [B], informative groups).
+        """One step's batch: (rollout, rewards [G, GROUP_SIZE], informative groups).
 
         A batch whose groups all have equal rewards is replaced by fresh prompts, at most
         MAX_DRAWS batches in all (the last one drawn is used either way)."""
@@ -123,8 +117,7 @@ class PolicyGradientLadder:
             informative = int((rewards.amax(1) > rewards.amin(1)).sum())
             if informative:
                 break
-        advantages = rewards - rewards.mean(1, keepdim=True)  # GRPO, no std normalization
-        return rollout, advantages.reshape(-1), rewards.reshape(-1), informative
+        return rollout, rewards, informative
 
     def _sample(self, tasks, *, seed: int):
         from mismatch.engines.numerics import apply_numerics
@@ -203,27 +196,24 @@ def _reward(task, text: str) -> float:
     return 1.0 if result == str(evaluate(task.expressions[0])) else 0.0
 
 
-def _grpo_loss(model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor,
-               advantages: torch.Tensor) -> torch.Tensor:
-    """train's policy loss (mismatch.train.loss.policy_loss, arm "grpo": REINFORCE with a
-    token-level mean) of the whole batch, advantages [B]; only `rows` (those with A ≠ 0) run
-    the forward: the others add exactly nothing to the sum and count only in the token mean."""
-    from mismatch.engines.scorer import position_ids
+def _batch(rollout: Rollout, advantages: torch.Tensor, pad_id: int) -> Batch:
+    """The rollout as train's Batch: each left-padded row moved to the left (the trainer's
+    batches are right-padded), its completion tokens the sampled ones, one candidate per
+    position (the sampled token's own slot; arm "grpo" reads no candidates)."""
+    real = rollout.attention_mask.bool()
+    b, t = real.shape
+    order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)  # real tokens first
+    take = lambda x: x.gather(1, order)  # noqa: E731
+    sampled = take(rollout.completion_mask.bool())
+    ids = torch.where(take(real), take(rollout.token_ids), pad_id)
+    return Batch(ids=ids, attention=take(rollout.attention_mask), mask=sampled,
+                 sampler_logp=torch.where(sampled, take(rollout.sampler_logprobs), 0.0),
+                 cand_ids=ids[..., None].clone(),
+                 cand_sampler_logp=torch.full((b, t, 1), float("-inf")),
+                 support=torch.zeros(b, t, 1, dtype=torch.bool),
+                 advantages=advantages.float(), staleness=torch.zeros(b, t),
+                 groups=[rollout.sampler] * b)
 
-    sub = rows_of(rollout, rows)
-    ids, mask = sub.token_ids, sub.attention_mask
-    n = ids.shape[1] - sub.prompt_width  # completion width of the rows run
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                   logits_to_keep=n + 1).logits[:, :-1].float()
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, -n:, None])[..., 0]  # (b, n)
-    width = rollout.token_ids.shape[1] - rollout.prompt_width
-    trainer_logprobs = torch.zeros(rollout.token_ids.shape[0], width).index_put(
-        (rows,), torch.nn.functional.pad(lp, (0, width - n)))                     # (B, W)
-    completion = rollout.completion_mask[:, rollout.prompt_width:]
-    sampler_logprobs = rollout.sampler_logprobs[:, rollout.prompt_width:]
-    loss, _ = policy_loss(trainer_logprobs, sampler_logprobs, advantages, completion,
-                          arm=ARMS["grpo"])
-    return loss
 
 @torch.no_grad()
 def _load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
