@@ -4,7 +4,7 @@ does it see the collapses?
 Each run's `metrics.jsonl` (the records the trainer logged and the live monitor read) goes
 through a fresh `CollapseMonitor` with the shipped rules, record by record, as `mismatch monitor
 RUN` would (with `masked_loss` from the run's config.json: its correction masks tokens or not). Whether the run collapsed is the study's own test
-(`mismatch.train.study_summary.summarize_run`): the 5-step trailing mean of the training reward
+(`mismatch.study.runs.summarize_run`): the 5-step trailing mean of the training reward
 fell to half the mean of its first 3 steps (`halved_step`). Then:
 
 - lead = halved step − the monitor's first critical alert (positive: the alert came first);
@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
 from mismatch.io import atomic_write_text  # noqa: E402
 from mismatch.probes.monitor import CollapseMonitor, MonitorConfig  # noqa: E402
 from mismatch.train.rundir import read_metrics, run_masks_tokens  # noqa: E402
-from mismatch.train.study_summary import summarize_run  # noqa: E402
+from mismatch.study.runs import summarize_run  # noqa: E402
 
 SETS = {"grid": ("reports/study-runs",), "held-out": ("reports/study-L1", "reports/study-k4"),
         "extra": ("reports/study-control", "reports/study-targeted"),

@@ -3,7 +3,8 @@ installed, and no module imports from a layer above its own (README, Architectur
 
 Layers, bottom to top: foundation (mismatch.io, mismatch.runtime, mismatch.registry) →
 quantize → core (engines, zoo, metrics, kernels, records, profiles, fleets, remote clients) → probes (source probes and
-the monitor) → train → applications (mismatch.app, integrations) → the CLI. Imports are read with `ast`, so a lazy import inside a
+the monitor) → train → applications (mismatch.app, integrations, the study's experiment
+mismatch.study) → the CLI. Imports are read with `ast`, so a lazy import inside a
 function counts as much as one at the top of the file.
 """
 
@@ -37,7 +38,8 @@ def _layer(module: str) -> str:
         return "foundation"
     for prefix, layer in (("mismatch.quantize", "quantize"), ("mismatch.probes", "probes"),
                           ("mismatch.train", "train"), ("mismatch.app", "app"),
-                          ("mismatch.integrations", "app"), ("mismatch.cli", "cli")):
+                          ("mismatch.integrations", "app"), ("mismatch.study", "app"),
+                          ("mismatch.cli", "cli")):
         if module == prefix or module.startswith(prefix + "."):
             return layer
     return "core"

@@ -13,7 +13,7 @@ import pytest
 
 from mismatch.probes.monitor import CollapseMonitor, MonitorConfig, default_rules
 from mismatch.train.rundir import read_metrics, run_masks_tokens
-from mismatch.train.study_summary import summarize_run
+from mismatch.study.runs import summarize_run
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "reports" / "study-runs"

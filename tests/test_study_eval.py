@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mismatch.train.study_eval import evaluate_full_vocab, needs_full_vocab_eval
+from mismatch.study.full_vocab import evaluate_full_vocab, needs_full_vocab_eval
 
 CLI = [sys.executable, "-m", "mismatch.cli"]
 

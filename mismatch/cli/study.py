@@ -1,6 +1,6 @@
 """`mismatch study`: the reference study's grid (fleet x staleness x arm x seed) as separate
-`mismatch train` processes, resumably, aggregated into one report (train/study.py,
-train/study_report.py). Registered by mismatch/cli/main.py. Exit codes: 0 every run finished;
+`mismatch train` processes, resumably, aggregated into one report (mismatch/study/grid.py,
+mismatch/study/aggregate.py). Registered by mismatch/cli/main.py. Exit codes: 0 every run finished;
 1 a run failed (the report still covers the rest); 2 bad input.
 """
 
@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from mismatch.cli.common import STUDY_ARM_ALIASES, one_of, preset_help, run_with_state_bar
-from mismatch.train.study import STUDY_PRESETS
+from mismatch.study.grid import STUDY_PRESETS
 
 __all__ = ["study_command"]
 
@@ -86,8 +86,8 @@ def study_command(
     quiet_libraries()
     from dataclasses import replace
 
-    from mismatch.train.study import STUDY_PRESETS, run_grid
-    from mismatch.train.study_report import aggregate
+    from mismatch.study.grid import STUDY_PRESETS, run_grid
+    from mismatch.study.aggregate import aggregate
 
     grid_command = ""
     try:
@@ -147,7 +147,7 @@ def study_command(
         fail(f"cannot write the report {report or out / 'study.md'}: {exc.strerror or exc}")
     typer.echo(f"wrote {path}")
     if export is not None:
-        from mismatch.train.study_logs import export_logs
+        from mismatch.study.logs import export_logs
 
         try:
             runs = export_logs(cfg, out, export)
@@ -161,8 +161,8 @@ def study_command(
 def _eval_full_vocab(cfg, out: Path, *, quiet: bool) -> None:
     """--eval-full-vocab: each finished top-p run of the grid not yet evaluated that way."""
     from mismatch.cli.common import fail
-    from mismatch.train.study import cells
-    from mismatch.train.study_eval import evaluate_full_vocab, needs_full_vocab_eval
+    from mismatch.study.grid import cells
+    from mismatch.study.full_vocab import evaluate_full_vocab, needs_full_vocab_eval
 
     todo = [out / c.name for c in cells(cfg) if needs_full_vocab_eval(out / c.name)]
     for run in todo:
@@ -180,7 +180,7 @@ def _saved_study(out: Path, cfg, over: dict):
     import json
     from dataclasses import fields, replace
 
-    from mismatch.train.study import StudyConfig
+    from mismatch.study.grid import StudyConfig
 
     meta = out / "study.json"
     if not meta.exists():

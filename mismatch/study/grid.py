@@ -1,6 +1,6 @@
 """`mismatch study`: the reference study's grid (fleet × staleness × correction arm × seed) on a
 zoo policy, run as separate `mismatch train` processes, then aggregated into one report
-(train/study_report.py).
+(mismatch/study/aggregate.py).
 
 The grid:
 
@@ -18,7 +18,7 @@ in the arm name becomes `_`). Every run starts from the same policy: the embedde
 (`policy_steps`) a zoo policy trained less, built once into `OUT/policy-<N>`. Runs go as
 subprocesses, `jobs` at a time, each pinned to cores of its own (mismatch.runtime.core_slots).
 Resumable: a run whose `final/` exists and whose log reached its steps is never rerun, nor is
-one adopted from an export of its finished logs (`adopt`, train/study_logs.py); a run
+one adopted from an export of its finished logs (`adopt`, mismatch/study/logs.py); a run
 with a checkpoint restarts from it (`--resume`); a run killed before its first checkpoint starts
 again from scratch.
 `OUT/study.json` records the grid so that `--report-only` can rebuild the report.
@@ -41,13 +41,13 @@ from mismatch.io import atomic_write_text
 from mismatch.registry import table_of
 from mismatch.runtime import child_setup, core_slots, parent_death_signal
 
-from .study_logs import ADOPTED, adopt_logs, export_logs, steps_logged
+from .logs import ADOPTED, adopt_logs, export_logs, steps_logged
 
-__all__ = ["FLEETS", "fleet_of", "fleet_label", "ARMS", "StudyConfig",
+__all__ = ["STUDY_FLEETS", "fleet_of", "fleet_label", "STUDY_ARMS", "StudyConfig",
            "STUDY_PRESETS", "Cell", "cells", "run_grid",
            "run_state", "run_order", "build_policy", "export_logs"]
 
-FLEETS = {"L0": "homogeneous", "L1": "precision", "L2": "mixed"}
+STUDY_FLEETS = {"L0": "homogeneous", "L1": "precision", "L2": "mixed"}
 """Study fleet name → train.fleet preset. A study fleet may also be a fleet file (a path ending
 in .toml, as `mismatch plan` writes): its runs train with `--fleet FILE` and are named by the
 file's stem."""
@@ -57,13 +57,13 @@ def fleet_of(name: str) -> str:
     """What `mismatch train` trains a study fleet on: its preset (L0–L2), or the fleet file's
     absolute path. Raises ValueError with one line for anything else (`StudyConfig` also parses
     each fleet file once, when the grid is made)."""
-    if name in FLEETS:
-        return FLEETS[name]
-    from .fleet import is_fleet_file
+    if name in STUDY_FLEETS:
+        return STUDY_FLEETS[name]
+    from mismatch.train.fleet import is_fleet_file
 
     if not is_fleet_file(name):
-        raise ValueError(f"unknown fleet {name!r}; fleets: {', '.join(FLEETS)} or a fleet file "
-                         f"ending in .toml (`mismatch plan` writes one)")
+        raise ValueError(f"unknown fleet {name!r}; fleets: {', '.join(STUDY_FLEETS)} or a fleet "
+                         f"file ending in .toml (`mismatch plan` writes one)")
     path = Path(name).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"fleet file {name} does not exist; `mismatch plan ... --out DIR` "
@@ -73,10 +73,10 @@ def fleet_of(name: str) -> str:
 
 def fleet_label(name: str) -> str:
     """A study fleet's name in run folders and tables: L0–L2, or a fleet file's stem."""
-    return name if name in FLEETS else Path(name).stem
+    return name if name in STUDY_FLEETS else Path(name).stem
 
 
-ARMS = {"grpo": "grpo", "mis": "mis", "sc": "sc", "sc+mis": "sc+mis", "grpo+topp": "topp",
+STUDY_ARMS = {"grpo": "grpo", "mis": "mis", "sc": "sc", "sc+mis": "sc+mis", "grpo+topp": "topp",
         "sc+mis+topp": "sc+mis+topp"}
 """Study arm name → train.loss arm."""
 
@@ -87,7 +87,7 @@ class StudyConfig:
 
     fleets: tuple[str, ...] = ("L0", "L1", "L2")
     staleness: tuple[int, ...] = (4,)
-    arms: tuple[str, ...] = tuple(ARMS)
+    arms: tuple[str, ...] = tuple(STUDY_ARMS)
     seeds: tuple[int, ...] = (0, 1, 2)
     steps: int = 32
     lr: float = 3e-4
@@ -110,8 +110,8 @@ class StudyConfig:
 
     def __post_init__(self) -> None:
         for f in dict.fromkeys((*self.fleets, *self.sync_fleets)):
-            if f not in FLEETS:
-                from .fleet import fleet_file
+            if f not in STUDY_FLEETS:
+                from mismatch.train.fleet import fleet_file
 
                 fleet_file(fleet_of(f))  # parses, or one line on what is wrong
         labels = [fleet_label(f) for f in dict.fromkeys((*self.fleets, *self.sync_fleets))]
@@ -119,8 +119,8 @@ class StudyConfig:
             raise ValueError(f"two fleets share a name ({', '.join(labels)}): rename a fleet "
                              f"file so each run folder is its own")
         for a in (*self.arms, *self.sync_arms):
-            if a not in ARMS:
-                raise ValueError(f"unknown arm {a!r}; arms: {', '.join(ARMS)}")
+            if a not in STUDY_ARMS:
+                raise ValueError(f"unknown arm {a!r}; arms: {', '.join(STUDY_ARMS)}")
         if not (self.fleets and self.arms and self.seeds and self.staleness):
             raise ValueError("the grid needs at least one fleet, arm, seed and staleness")
         if any(k < 0 for k in self.staleness):
@@ -207,8 +207,9 @@ def run_order(cfg: StudyConfig, cell: Cell) -> tuple:
     claim with a spread over seeds; then seed by seed every cell (the central pair, the other
     arms, the on-policy controls), so that every claim has an answer before the intervals
     tighten; the fastest fleet first in each (the presets L0 < L1 < L2, then fleet files)."""
-    rank = {f: i for i, f in enumerate(sorted({*cfg.fleets, *cfg.sync_fleets},
-                                              key=lambda f: (f not in FLEETS, fleet_label(f))))}
+    fleets = sorted({*cfg.fleets, *cfg.sync_fleets},
+                    key=lambda f: (f not in STUDY_FLEETS, fleet_label(f)))
+    rank = {f: i for i, f in enumerate(fleets)}
     seed = cfg.seeds.index(cell.seed)
     kind = 0 if cell.arm in ("grpo", "sc+mis") and cell.staleness is not None else (
         2 if cell.staleness is None else 1)
@@ -217,9 +218,9 @@ def run_order(cfg: StudyConfig, cell: Cell) -> tuple:
 
 def run_state(run: Path, steps: int) -> str:
     """done | resume (a checkpoint to continue from) | fresh (nothing, or nothing worth keeping)"""
-    from .rundir import latest_checkpoint
+    from mismatch.train.rundir import latest_checkpoint
 
-    finished = (run / "final").is_dir() or (run / ADOPTED).is_file()  # adopted: study_logs
+    finished = (run / "final").is_dir() or (run / ADOPTED).is_file()  # adopted: logs.py
     if finished and steps_logged(run) >= steps:
         return "done"
     if latest_checkpoint(run) is not None:
@@ -230,10 +231,10 @@ def run_state(run: Path, steps: int) -> str:
 def _command(cfg: StudyConfig, cell: Cell, run: Path, resume: bool) -> list[str]:
     lag = ["--sync"] if cell.staleness is None else ["--staleness", str(cell.staleness)]
     policy = ["--model", str(run.parent / cfg.policy_name)] if cfg.policy_name else []
-    fleet = (["--preset", FLEETS[cell.fleet]] if cell.fleet in FLEETS
+    fleet = (["--preset", STUDY_FLEETS[cell.fleet]] if cell.fleet in STUDY_FLEETS
              else ["--preset", "mixed", "--fleet", fleet_of(cell.fleet)])
     cmd = [sys.executable, "-m", "mismatch.cli", "train", "--out", str(run),
-           *fleet, "--correction", ARMS[cell.arm], *lag,
+           *fleet, "--correction", STUDY_ARMS[cell.arm], *lag,
            "--seed", str(cell.seed), "--quiet", *policy, *cfg.train_args()]
     return cmd + (["--resume"] if resume else [])
 
@@ -262,7 +263,7 @@ class GridResult:
     """Finished before this invocation (never rerun)."""
     resumed: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
-    """Finished elsewhere: their exported logs taken in (study_logs.adopt_logs)."""
+    """Finished elsewhere: their exported logs taken in (logs.adopt_logs)."""
     failed: dict[str, str] = field(default_factory=dict)
     """run name → the last line of its log."""
     seconds: float = 0.0
@@ -288,7 +289,7 @@ def run_grid(cfg: StudyConfig, out: Path, *, jobs: int = 2,
              ) -> GridResult:
     """Run every cell not yet done, `jobs` processes at a time (`command`, the invocation, is
     saved in OUT/study.json for the report), after adopting the finished runs of the export
-    `adopt` (study_logs.adopt_logs). `progress` gets
+    `adopt` (logs.adopt_logs). `progress` gets
     {"steps": steps logged over all runs, "total": …, "running": [names], "done": n, "failed": n}
     after every poll."""
     out = Path(out)

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .study import Cell, StudyConfig
+from .grid import Cell, StudyConfig
 
 __all__ = ["summarize_run", "replayed_alert", "cell_runs", "cell_panels", "WINDOW", "trailing", "ci95",
            "share_ci", "lag_label"]
@@ -63,7 +63,7 @@ def share_ci(k: int, n: int) -> str:
 def _heldout(run: Path) -> dict[str, float]:
     """{"base", "mid", "final"} held-out reward of a run's eval.json (those it holds), and for
     a top-p run evaluated from the full vocabulary too (by the run, or afterwards by
-    train.study_eval), "base_full", "mid_full" and "final_full"."""
+    full_vocab.py), "base_full", "mid_full" and "final_full"."""
     path = run / "eval.json"
     if not path.exists():
         return {}
@@ -81,7 +81,7 @@ def _heldout(run: Path) -> dict[str, float]:
 
 def summarize_run(run: Path) -> dict[str, Any] | None:
     """One run's curves and the figures the study compares (None if it logged nothing)."""
-    from .rundir import read_metrics
+    from mismatch.train.rundir import read_metrics
 
     recs = read_metrics(run / "metrics.jsonl")
     if not recs:

@@ -22,8 +22,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import TrainConfig
-from .rundir import write_json
+from mismatch.train.config import TrainConfig
+from mismatch.train.rundir import write_json
 
 __all__ = ["needs_full_vocab_eval", "evaluate_full_vocab"]
 
@@ -60,7 +60,7 @@ def evaluate_full_vocab(run: Path, log: Callable[[str], None] = lambda _: None
     from mismatch.runtime import torch_threads
     from mismatch.zoo import load_model, load_tokenizer
 
-    from .evaluation import evaluate
+    from mismatch.train.evaluation import evaluate
 
     run = Path(run)
     cfg = _config(run)

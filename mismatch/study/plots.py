@@ -7,8 +7,8 @@ from pathlib import Path
 
 from mismatch.io import save_figure
 
-from .study import FLEETS, Cell, StudyConfig, fleet_label
-from .study_summary import WINDOW, cell_panels, cell_runs, trailing
+from .grid import STUDY_FLEETS, Cell, StudyConfig, fleet_label
+from .runs import WINDOW, cell_panels, cell_runs, trailing
 
 __all__ = ["plot_study"]
 
@@ -49,8 +49,7 @@ def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str
                 ax.plot(steps, mean, color=_COLORS.get(arm), lw=1.6, label=arm)
                 ax.fill_between(steps, lo, hi, color=_COLORS.get(arm), alpha=0.12, lw=0)
             lag = "on-policy (sync)" if k is None else f"staleness {k}"
-            ax.set_title(f"{fleet_label(fleet)} ({FLEETS.get(fleet, Path(fleet).name)}), {lag}",
-                         fontsize=9)
+            ax.set_title(f"{_title(fleet)}, {lag}", fontsize=9)
             ax.set_xlabel("optimizer step")
             if log:
                 ax.set_yscale("log")
@@ -94,8 +93,7 @@ def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, dict], final: Path) -> str:
                                 marker="o" if not suffix else "s", ls=style, lw=1.4,
                                 capsize=3, label=label)
         lag = "on-policy (sync)" if k is None else f"staleness {k}"
-        ax.set_title(f"{fleet_label(fleet)} ({FLEETS.get(fleet, Path(fleet).name)}), {lag}",
-                         fontsize=9)
+        ax.set_title(f"{_title(fleet)}, {lag}", fontsize=9)
         ax.set_xlabel("optimizer step")
         ax.set_xlim(-0.06 * cfg.steps, 1.06 * cfg.steps)
         ax.grid(alpha=0.3)
@@ -105,3 +103,8 @@ def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, dict], final: Path) -> str:
     fig.suptitle("held-out reward before, midway and after: mean over seeds, bars = min–max "
                  "(emulated samplers)", fontsize=10)
     return save_figure(fig, final)
+
+
+def _title(fleet: str) -> str:
+    """A panel's fleet: its label and what it trains on (a preset, or the fleet file's name)."""
+    return f"{fleet_label(fleet)} ({STUDY_FLEETS.get(fleet, Path(fleet).name)})"

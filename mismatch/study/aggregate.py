@@ -1,6 +1,6 @@
 """The study's report: the study's claims answered with intervals, curves, the per-cell table,
 the monitor's lead times and every run (`aggregate`); the runs' summaries and the definitions
-of every figure are in study_summary.py.
+of every figure are in runs.py.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 from mismatch.io import atomic_write_text
 
-from .study import ARMS, FLEETS, Cell, StudyConfig, cells, fleet_label
-from .study_summary import (WINDOW, cell_panels, cell_runs, ci95, lag_label, share_ci,
+from .grid import STUDY_ARMS, STUDY_FLEETS, Cell, StudyConfig, cells, fleet_label
+from .runs import (WINDOW, cell_panels, cell_runs, ci95, lag_label, share_ci,
                             replayed_alert, summarize_run)
 
 __all__ = ["aggregate", "summarize_run"]
@@ -47,7 +47,7 @@ def aggregate(cfg: StudyConfig, out: Path, report: Path, *, command: str = "",
         raise ValueError(f"{out} holds no study run with a logged step; run `mismatch study` "
                          "first")
     report.parent.mkdir(parents=True, exist_ok=True)
-    from .study_plots import plot_study
+    from .plots import plot_study
 
     figures = plot_study(cfg, runs, report.parent, report.stem)
     text = _markdown(cfg, runs, figures, command=command, elapsed=elapsed)
@@ -185,8 +185,8 @@ def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
     if not {"L0", "L2"} <= set(cfg.fleets):
         return []
     lines = []
-    for mode, pick in (("full-distribution arms", lambda a: not ARMS[a].endswith("topp")),
-                       ("top-p arms", lambda a: ARMS[a].endswith("topp"))):
+    for mode, pick in (("full-distribution arms", lambda a: not STUDY_ARMS[a].endswith("topp")),
+                       ("top-p arms", lambda a: STUDY_ARMS[a].endswith("topp"))):
         # at step 1 every arm of a seed holds the same weights and the same episodes: one value
         # per seed (the mean over its arms), the interval over seeds
         logs = {}
@@ -334,7 +334,7 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, c
         out += ["Regenerate:", "", "```bash", command, "```", ""]
     controls = (f"; on-policy controls (`--sync`): {', '.join(cfg.sync_arms)} on "
                 f"{', '.join(cfg.sync_fleets)}" if cfg.sync_arms else "")
-    fleets = ', '.join(f'{fleet_label(f)} ({FLEETS.get(f, f)})' for f in cfg.fleets)
+    fleets = ', '.join(f'{fleet_label(f)} ({STUDY_FLEETS.get(f, f)})' for f in cfg.fleets)
     out += [f"Grid: fleets {fleets}; forced "
             f"staleness {', '.join(map(str, cfg.staleness))}; arms {', '.join(cfg.arms)}; seeds "
             f"{', '.join(map(str, cfg.seeds))}{controls}. Each run: {cfg.steps} steps of "

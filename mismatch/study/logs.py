@@ -28,7 +28,7 @@ ADOPTED = "adopted.json"
 
 def steps_logged(run: Path) -> int:
     """The last step a run's metrics.jsonl records (0: none)."""
-    from .rundir import read_metrics  # torch: not at import (`mismatch --help` stays light)
+    from mismatch.train.rundir import read_metrics  # torch: not at import (light --help)
 
     recs = read_metrics(Path(run) / "metrics.jsonl")
     return recs[-1]["step"] if recs else 0
@@ -39,7 +39,7 @@ def export_logs(cfg, out: Path, dest: Path) -> list[str]:
     temporary name and renamed), so that `--report-only --out DEST` rebuilds the report without
     the checkpoints. A run that logged fewer steps than `dest` already holds of it (a rerun
     still behind an earlier export) is left out. Returns the runs copied."""
-    from .study import cells
+    from .grid import cells
 
     out, dest = Path(out), Path(dest)
     if not (out / "study.json").is_file():
@@ -65,9 +65,9 @@ def export_logs(cfg, out: Path, dest: Path) -> list[str]:
 def _expected(cfg, cell) -> dict:
     """The config.json fields a run of `cell` in grid `cfg` is made with (the model by name:
     the policy folder's path differs from machine to machine)."""
-    from .study import ARMS, fleet_of
+    from .grid import STUDY_ARMS, fleet_of
 
-    return {"fleet": fleet_of(cell.fleet), "correction": ARMS[cell.arm],
+    return {"fleet": fleet_of(cell.fleet), "correction": STUDY_ARMS[cell.arm],
             "sync": cell.staleness is None, "staleness": cell.staleness, "seed": cell.seed,
             "steps": cfg.steps, "lr": cfg.lr, "tasks": cfg.tasks,
             "prompts_per_step": cfg.prompts, "samples_per_prompt": cfg.samples,
@@ -90,7 +90,7 @@ def adopt_logs(cfg, out: Path, src: Path) -> list[str]:
     (an export) holds finished; a run directory OUT held for it (an unfinished run, checkpoints
     included) is replaced. Returns the runs adopted. Raises ValueError for a `src` that is not
     a directory, or a finished run there made with other settings than this grid's."""
-    from .study import cells, run_state
+    from .grid import cells, run_state
 
     out, src = Path(out), Path(src)
     if not src.is_dir():
