@@ -5,9 +5,9 @@ In asynchronous RL the sampler serves weights θ_{j−k} while the trainer compu
 numerics held fixed so that only the weights differ:
 
 1. Checkpoints θ_0 … θ_K, from a `Ladder`, either
-   - generated (default): K real policy-gradient steps taken with train's own loss, built in the
-     train layer (mismatch.train.ladder.PolicyGradientLadder) and passed in by the application
-     layer that wires the probe (mismatch.app.sources). At lr 1e-5 most BF16 elements do not
+   - generated (default): K real policy-gradient steps taken by train's own Trainer, built in
+     the train layer (mismatch.train.staleness_ladder.PolicyGradientLadder) and passed in by
+     the application layer that wires the probe (mismatch.app.sources). At lr 1e-5 most BF16 elements do not
      move in one step (the update is below half a BF16 ulp of all but the smallest weights), so
      the share of elements whose cast changed is recorded per step (and against the trainer
      per lag): it shows that, and how much, the served weights moved.

@@ -126,7 +126,7 @@ def _one_unit(model, tok):
     """One unit (8 episodes) sampled locally, as a sampler actor returns it."""
     from mismatch.train.fleet import fleet
     from mismatch.train.config import preset_config
-    from mismatch.train.sampling import sample_units, split_units
+    from mismatch.train.unit_sampling import sample_units, split_units
 
     cfg = preset_config("mixed", tasks="arith,table")
     group = fleet("mixed")[0]

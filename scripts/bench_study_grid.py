@@ -53,7 +53,7 @@ def kv_store(model_dir: str | None, repeats: int) -> list[tuple[str, float, floa
 
     import mismatch.engines.kv_cache as kv_cache
     from mismatch.train.fleet import fleet
-    from mismatch.train.sampling import sample_units
+    from mismatch.train.unit_sampling import sample_units
 
     torch.set_num_threads(1)
     model, tok = _load(model_dir)
@@ -83,7 +83,7 @@ def sample_batch(model_dir: str | None, path: Path) -> None:
 
     from mismatch.train.batch import Unit
     from mismatch.train.fleet import fleet
-    from mismatch.train.sampling import sample_units
+    from mismatch.train.unit_sampling import sample_units
 
     torch.set_num_threads(1)
     model, tok = _load(model_dir)

@@ -122,7 +122,7 @@ def trainer_models(base, state: dict, step: int, old_v: int, old_w: dict):
     compute dtype (train.trainer.Trainer; the samplers through train.sampling.model_at). The cast
     takes the rotary frequencies to BF16 as well, where a freshly loaded model keeps them in
     FP32: models built the other way differ from the run's by that alone."""
-    from mismatch.train.sampling import model_at
+    from mismatch.train.unit_sampling import model_at
 
     return (model_at({}, base, torch.bfloat16, step, state["master"]),
             model_at({}, base, torch.bfloat16, old_v, old_w))
@@ -136,7 +136,7 @@ def ratios(ckpt: Path, preset: str | None = None, prompts: int = 8, lag: int | N
     from mismatch.zoo import load_model, load_tokenizer
     from mismatch.train.fleet import fleet
     from mismatch.probes.base import TORCH_DTYPES
-    from mismatch.train.sampling import model_at, sample_units
+    from mismatch.train.unit_sampling import model_at, sample_units
 
     cfg, state, step, old_v, old_w = load(ckpt, lag)
     base_dir = model_dir or cfg.model  # None: the embedded model

@@ -20,7 +20,7 @@ from mismatch.train.config import TrainConfig
 from mismatch.train.fleet import SamplerGroup, fleet
 from mismatch.train.pipeline import Pipeline
 from mismatch.train.rollout import calibration_scales, run_episodes
-from mismatch.train.sampling import sample_units, scales_at
+from mismatch.train.unit_sampling import sample_units, scales_at
 
 
 def _groups() -> list[SamplerGroup]:
@@ -164,7 +164,7 @@ def test_the_same_context_differs_by_lane(model, tok):
 
 
 def test_scales_are_calibrated_once_per_version(model, tok, monkeypatch):
-    import mismatch.train.sampling as sampling
+    import mismatch.train.unit_sampling as sampling
 
     cfg = TrainConfig(fleet="mixed", prompts_per_step=2, samples_per_prompt=2, tasks="arith",
                       max_new_tokens=4, max_turns=1)

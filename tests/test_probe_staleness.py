@@ -17,7 +17,7 @@ from mismatch.probes.config import ProbeConfig
 from mismatch.probes.context import ProbeContext
 from mismatch.probes.errors import ProbeError
 from mismatch.probes.staleness import StalenessConfig
-from mismatch.train.ladder import PolicyGradientLadder
+from mismatch.train.staleness_ladder import PolicyGradientLadder
 from mismatch.zoo import load_model
 
 STALENESS_FIELDS = ("max_lag", "lr", "checkpoints")
@@ -201,7 +201,7 @@ def test_the_ladder_steps_through_train_s_trainer_and_skips_a_non_finite_gradien
     """The ladder's steps are `Trainer.step`'s: a step whose gradient is not finite (NaN
     advantages here) leaves the master as it was, as in a training run, and the next one moves
     it again."""
-    import mismatch.train.ladder as ladder_module
+    import mismatch.train.staleness_ladder as ladder_module
     from mismatch.train.trainer import Trainer
 
     steps: list[dict] = []

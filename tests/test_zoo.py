@@ -299,7 +299,7 @@ def test_bad_model_paths_are_one_line_value_errors(tmp_path):
 
 def _tiny_build_config():
     from mismatch.zoo.build import BuildConfig
-    from mismatch.zoo.trainer import TrainConfig
+    from mismatch.zoo.supervised import TrainConfig
 
     return BuildConfig(seed=3, tokenizer_corpus=300, heldout_transcripts=4, greedy_episodes=2,
                        max_new_tokens=8, train=TrainConfig(steps=3, batch_size=4))
@@ -328,7 +328,7 @@ def test_cli_path_and_info():
     from typer.testing import CliRunner
 
     from mismatch.cli.zoo import _DEFAULT_STEPS, zoo_app
-    from mismatch.zoo.trainer import TrainConfig
+    from mismatch.zoo.supervised import TrainConfig
 
     assert _DEFAULT_STEPS == TrainConfig().steps  # the CLI default must be the library's
 

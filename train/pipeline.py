@@ -2,7 +2,7 @@
 may use, and queue the finished units for the trainer.
 
 - A worker thread claims units, picks up the newest published weights if it holds an older
-  version (only between units, never mid-episode), and drives the episodes (sampling.py). Each
+  version (only between units, never mid-episode), and drives the episodes (unit_sampling.py). Each
   sampled token carries the version that generated it. The router (fleet.Router,
   capacity-proportional) assigns each unit to a sampler group; all its episodes are sampled by
   that group's numerics (a GRPO group is one request to one server).
@@ -35,7 +35,7 @@ from mismatch.probes.base import TORCH_DTYPES
 from .batch import Unit
 from .config import TrainConfig
 from .fleet import Router, SamplerGroup
-from .sampling import model_at, sample_in_worker, sample_units, split_units
+from .unit_sampling import model_at, sample_in_worker, sample_units, split_units
 
 __all__ = ["Publisher", "Pipeline", "by_group"]
 

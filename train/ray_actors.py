@@ -37,7 +37,7 @@ from .config import TrainConfig
 from .fleet import SamplerGroup, run_fleet
 from .ray_session import ray_module
 from .rundir import check_ranks, save_checkpoint
-from .sampling import model_at, sample_units, split_units
+from .unit_sampling import model_at, sample_units, split_units
 from .trainer import Trainer
 
 __all__ = ["PLACEMENTS", "ACCELERATOR_LABELS", "sampler_resources", "write_version",

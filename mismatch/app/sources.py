@@ -1,6 +1,6 @@
 """`mismatch probe --sources`: the source probes' pipeline (mismatch.probes.runner) with what the
 probes layer cannot build itself wired in: the staleness probe's generated checkpoint ladder,
-policy-gradient steps taken by the train layer (mismatch.train.ladder)."""
+policy-gradient steps taken by the train layer (mismatch.train.staleness_ladder)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from mismatch.probes.config import ProbeConfig
 from mismatch.probes.runner import SourcesRun, run_sources
-from mismatch.train.ladder import PolicyGradientLadder
+from mismatch.train.staleness_ladder import PolicyGradientLadder
 
 __all__ = ["probe_sources"]
 

@@ -1,7 +1,7 @@
 """Building the embedded model: tokenizer, training, evaluation, package data — reproducibly.
 
     1. render `tokenizer_corpus` training transcripts with the chat template; train the BPE
-    2. seed torch, build the tiny Qwen3-MoE (model.py) in FP32, train it (trainer.py)
+    2. seed torch, build the tiny Qwen3-MoE (model.py) in FP32, train it (supervised.py)
     3. save it in BF16 (safetensors) with the tokenizer, reload it the way users do (loading.py)
     4. held-out figures of the reloaded BF16 weights (metrics.py, solve.py); build_info + card
 
@@ -30,7 +30,7 @@ from .errors import ZooError
 from .model import ModelSpec, hf_config
 from .tasks import TOOLS, generate_tasks, make_task, task_seeds
 from .tokenizer import TokenizerSpec, save_tokenizer, train_tokenizer
-from .trainer import TrainConfig
+from .supervised import TrainConfig
 
 __all__ = ["BuildConfig", "build", "build_command"]
 
@@ -88,7 +88,7 @@ def _train_and_save(config: BuildConfig, tmp: Path, log: Callable[[str], None]) 
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
     from .data import train_batches
-    from .trainer import train
+    from .supervised import train
 
     started = time.perf_counter()
     corpus = [render(make_task(s).gold_messages(), tools=TOOLS)

@@ -25,7 +25,7 @@ One concept per module, bottom to top:
 from mismatch.probes.monitor.signals import (SEVERITIES, SIGNALS, Alert, Sink, alert_json,
                                              severity_rank)
 from mismatch.probes.monitor.rules import MonitorConfig, SignalRule, default_rules, with_kl_floor
-from mismatch.probes.monitor.episodes import (FORMAT_ERROR_REASONS, episode_end_reason,
+from mismatch.probes.monitor.endings import (FORMAT_ERROR_REASONS, episode_end_reason,
                                               episode_summary)
 from mismatch.probes.monitor.state import CollapseMonitor
 from mismatch.probes.monitor.follow import (check_log, follow_lines, follow_state, read_records,

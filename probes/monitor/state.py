@@ -5,7 +5,7 @@ the training reward falls, the sampler–trainer KL grows 3× or more, and most 
 repeated format errors (three replies in a row without a tool call end the episode; at the
 collapsed checkpoint 62% did). `CollapseMonitor.update(record)` takes one training step's metrics
 — any of the native signals (`signals.SIGNALS`) and/or the raw `episodes`, from which it
-computes each episode's end reason and the format-error share itself (episodes.py) — and returns
+computes each episode's end reason and the format-error share itself (endings.py) — and returns
 the alerts that step raised.
 
 How a signal is judged (every number below is a `MonitorConfig` / `SignalRule` field, rules.py):
@@ -53,7 +53,7 @@ import statistics
 from collections import Counter, deque
 from typing import Any, Iterable, Mapping, Sequence
 
-from mismatch.probes.monitor.episodes import episode_summary
+from mismatch.probes.monitor.endings import episode_summary
 from mismatch.probes.monitor.rules import (CRITICAL, NORMAL, WARNING, MonitorConfig, SignalRule,
                                            judge)
 from mismatch.probes.monitor.signals import SIGNALS, Alert, Sink, as_number
