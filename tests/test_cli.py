@@ -29,7 +29,7 @@ SNAPSHOT = {
               "--staleness-max-lag", "--subset-prompts", "--threads", "--top-p",
               "--trainer-dtype", "--trainer-gpu", "--trainer-kernels"],
     "qualify": ["--batch-size", "--concurrency", "--dtype", "--engine", "--force", "--gpu", "--json",
-                "--kv-cache", "--max-new-tokens", "--model", "--n-prompts", "--out", "--policy",
+                "--kv-cache", "--launch", "--max-new-tokens", "--model", "--n-prompts", "--out", "--policy",
                 "--sampler", "--seed", "--subset-prompts", "--timeout"],
     "quantize": ["--calib-samples", "--calib-seq-len", "--force", "--format", "--kv-cache",
                  "--model", "--out", "--seed"],

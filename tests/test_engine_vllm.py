@@ -335,3 +335,31 @@ def test_mismatch_qualify_against_the_real_server(server, tmp_path):
     summary = json.loads((out / "results.json").read_text())
     assert summary["logprob_mode"] == "raw" or "raw" in summary["logprob_mode"]
     assert summary["tokens"] > 100
+
+
+def test_qualify_launches_the_server_itself_and_stops_it(tmp_path):
+    """`mismatch qualify --launch vllm`: vLLM started on the embedded model, qualified, and gone
+    afterwards (its port free again); the verdict names the launch and the server's log."""
+    import json
+    import re
+
+    from typer.testing import CliRunner
+
+    from mismatch.cli.main import app
+    from mismatch.remote.launch import port_free
+
+    if not vllm_available(VENV):
+        pytest.skip(NEED_VLLM)
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["qualify", "--launch", "vllm", "--n-prompts", "16",
+                                   "--max-new-tokens", "16", "--out", str(out), "--json"])
+    assert res.exit_code in (0, 1), res.output
+    v = json.loads(res.stdout.strip().splitlines()[-1])
+    assert v["mode"] == "measured" and "vllm" in v["sampler"].lower()
+    assert v["launched"]["engine"] == "vllm" and v["launched"]["model"] == "embedded"
+    checks = {c["metric"]: c for c in v["checks"]}
+    assert 0 < checks["kl_k3"]["value"] < checks["kl_k3"]["budget"]
+    log = Path(v["launched"]["log"]).read_text()
+    port = int(re.search(r"--port (\d+)", log).group(1))
+    assert port_free(port)  # the server was stopped
+    assert json.loads((out / "verdict.json").read_text())["launched"] == v["launched"]

@@ -83,3 +83,21 @@ def test_connection_refused_and_bad_engine(tmp_path):
     res = _qualify("--sampler", f"http://127.0.0.1:{port}", "--engine", "tgi", "--out", str(out))
     assert res.exit_code == 2 and "--engine must be one of vllm, sglang" in res.stderr
     assert not out.exists()
+
+
+def test_launch_is_refused_in_one_line_before_anything_starts(tmp_path, monkeypatch):
+    """`--launch` with a sampler URL, an unknown engine, an --engine that disagrees, SGLang
+    without a dense --model, or an engine that is not installed: one line, exit 2, no output.
+    (Launching a real vLLM server: tests/test_engine_vllm.py.)"""
+    out = tmp_path / "q"
+    monkeypatch.setenv("MISMATCH_VLLM_VENV", str(tmp_path / "no-venv"))
+    cases = [(["--launch", "vllm", "--sampler", "http://127.0.0.1:9"], "not both"),
+             (["--launch", "tgi"], "--launch must be vllm or sglang"),
+             (["--launch", "vllm", "--engine", "sglang"], "disagree"),
+             (["--launch", "sglang"], "dense checkpoint"),
+             (["--launch", "vllm"], "setup_vllm_cpu.sh")]
+    for args, needle in cases:
+        res = _qualify(*args, "--out", str(out), *SMALL)
+        assert res.exit_code == 2, (args, res.output)
+        assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not out.exists()

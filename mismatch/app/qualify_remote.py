@@ -1,4 +1,6 @@
-"""`mismatch qualify --sampler URL --engine vllm|sglang`: qualify a live inference server.
+"""`mismatch qualify --sampler URL --engine vllm|sglang`: qualify a live inference server;
+`mismatch qualify --launch vllm|sglang --model DIR`: start that server on 127.0.0.1 first
+(mismatch.remote.launch: each engine in its own virtual environment), qualify it, stop it.
 
 The server samples (token ids in, sampled ids, their log-probs and top-k candidates out, over
 HTTP); the trainer side re-scores the same tokens locally from `--model` (BF16 teacher-forced
@@ -11,7 +13,10 @@ trip of its samples; routing flips and the emulated sources are not (they are `n
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +31,7 @@ from mismatch.remote.sglang_client import SglangClient
 from mismatch.remote.vllm_client import VllmClient
 from mismatch.runtime import default_threads, torch_threads
 
-__all__ = ["ENGINES", "qualify_remote"]
+__all__ = ["ENGINES", "qualify_remote", "qualify_launched", "launched_server"]
 
 ENGINES = {"vllm": VllmClient, "sglang": SglangClient}
 _REQUESTS_PER_ROUND = 64  # prompts sent per generate() call: progress, and bounded memory
@@ -99,3 +104,63 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
     label = client.label + (f" ({gpu} {dtype})" if gpu and dtype else "")
     return verdict_result(policy, summary, mode="measured", sampler=label,
                    throughput=client.throughput)
+
+
+def launched_server(engine: str, model: Path | None
+                    ) -> Callable[..., contextlib.AbstractContextManager[str]]:
+    """`start(seed=, log_path=)`: a context manager serving `model` with `engine` on 127.0.0.1
+    (yields its URL; stops it on exit) — vLLM's CPU build on the embedded model by default,
+    SGLang on a dense `model`. Checked here, before anything starts: the engine's name, its
+    virtual environment, and a model SGLang can serve."""
+    if engine == "vllm":
+        from mismatch.remote.launch import default_vllm_venv, vllm_available, vllm_server
+
+        venv = default_vllm_venv()
+        if not vllm_available(venv):
+            raise ProbeError(f"vLLM is not installed in {venv}; run scripts/setup_vllm_cpu.sh "
+                             f"{venv} (or point MISMATCH_VLLM_VENV at its venv)")
+        return lambda **kw: vllm_server(model, venv=venv, **kw)
+    if engine == "sglang":
+        if model is None:
+            raise ProbeError("--launch sglang needs --model DIR with a dense checkpoint: SGLang's "
+                             "CPU build has no MoE kernels and the embedded model is a Qwen3-MoE")
+        from mismatch.remote.launch_sglang import (default_sglang_venv, sglang_available,
+                                                   sglang_server)
+
+        venv = default_sglang_venv()
+        if not sglang_available(venv):
+            raise ProbeError(f"SGLang is not installed in {venv}; run "
+                             f"scripts/setup_sglang_cpu.sh {venv} (or point "
+                             f"MISMATCH_SGLANG_VENV at its venv)")
+        return lambda **kw: sglang_server(model, venv=venv, **kw)
+    raise ProbeError(f"--launch must be one of {', '.join(ENGINES)}, got {engine!r}")
+
+
+def qualify_launched(*, engine: str, model: Path | None, policy: Policy, seed: int = 0,
+                     progress: Callable[[str, int, int], None] | None = None,
+                     **options) -> dict:
+    """Start `engine` serving `model` on 127.0.0.1, qualify it as qualify_remote does (`options`:
+    its n_prompts, max_new_tokens, concurrency, timeout, gpu, dtype), stop it. The verdict
+    records the launch (`launched`: engine, model, the server's log). A server that does not
+    start is a ProbeError naming its log's last line."""
+    from mismatch.remote.launch import EngineLaunchError
+
+    engine = engine.lower()
+    start = launched_server(engine, model)
+    fd, name = tempfile.mkstemp(prefix=f"mismatch-qualify-{engine}-", suffix=".log")
+    os.close(fd)
+    log_path = Path(name)
+    stage = f"starting {engine} on 127.0.0.1 (log: {log_path})"
+    if progress:
+        progress(stage, 0, 1)
+    try:
+        with start(seed=seed, log_path=log_path) as url:
+            if progress:
+                progress(stage, 1, 1)
+            result = qualify_remote(url=url, engine=engine, model=model, policy=policy,
+                                    seed=seed, progress=progress, **options)
+    except EngineLaunchError as exc:
+        raise ProbeError(str(exc)) from None
+    result["launched"] = {"engine": engine, "model": str(model) if model else "embedded",
+                          "log": str(log_path)}
+    return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,6 +27,11 @@ def qualify_command(
                                        "server to qualify instead of an emulated one."),
     engine: str | None = typer.Option(None, "--engine", help="The live server's engine: vllm "
                                       "or sglang."),
+    launch: str | None = typer.Option(None, "--launch", help="Start this engine (vllm or "
+                                      "sglang) on 127.0.0.1 serving --model, qualify it, stop "
+                                      "it. Each engine runs from its own virtual environment "
+                                      "(scripts/setup_vllm_cpu.sh, scripts/setup_sglang_cpu.sh; "
+                                      "$MISMATCH_VLLM_VENV, $MISMATCH_SGLANG_VENV)."),
     n_prompts: int = typer.Option(256, "--n-prompts", help="Prompts to sample."),
     subset_prompts: int = typer.Option(64, "--subset-prompts", help="Prompts for the expensive "
                                        "grids and the standalone probes."),
@@ -41,66 +47,100 @@ def qualify_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object to stdout."),
 ) -> None:
     """PASS/FAIL a sampler against a mismatch budget: exit 0 pass, 1 fail, 2 bad input."""
-    import json as _json
-
     quiet_libraries()
-    from mismatch.app.qualify import load_policy, qualify_emulated, write_outputs
-    from mismatch.io import check_output_dir
+    from mismatch.app.qualify import load_policy, write_outputs
 
     command = "mismatch " + " ".join(sys.argv[1:]) if sys.argv[1:] else "mismatch qualify"
+    common = dict(model=model, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed)
     try:
         pol = load_policy(policy)
-        if sampler is None:
-            if gpu is None or dtype is None:
-                raise ValueError("pass --gpu and --dtype for an emulated sampler, or --sampler "
-                                 "URL --engine vllm|sglang for a live one")
-            from mismatch.app.probe import ProbeConfig
-            from mismatch.profiles import resolve
-
-            spec = resolve(gpu, dtype, kv_cache)
-            cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache, model=model,
-                              n_prompts=n_prompts, subset_prompts=subset_prompts,
-                              max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
-            target = check_output_dir(out or Path("runs") / f"qualify-{spec.gpu}-{spec.dtype}",
-                                      "qualify", force=force)
-            result = run_with_bars(lambda progress: qualify_emulated(cfg, pol, progress),
-                                    quiet=as_json)
+        if sampler is None and launch is None:
+            target, result = _emulated(gpu, dtype, kv_cache, pol, out, force, as_json, common,
+                                       subset_prompts=subset_prompts, batch_size=batch_size)
         else:
-            try:
-                from mismatch.app.qualify_remote import qualify_remote
-            except ImportError as exc:
-                raise ValueError(f"live servers cannot be qualified by this install ({exc}); "
-                                 f"qualify an emulated sampler with --gpu/--dtype") from None
-
-            if (gpu is None) != (dtype is None):
-                raise ValueError("with --sampler, --gpu and --dtype label the server together "
-                                 "(the GPU it runs on, its weights' format): pass both or neither")
-            if gpu is not None:
-                from mismatch.profiles import resolve
-
-                spec = resolve(gpu, dtype, kv_cache)  # an unknown name is refused here too
-                gpu, dtype = spec.gpu, spec.dtype
-            target = check_output_dir(out or Path("runs") / "qualify-remote", "qualify",
-                                      force=force)
-            result = run_with_bars(
-                lambda progress: qualify_remote(
-                    url=sampler, engine=engine, model=model, policy=pol, n_prompts=n_prompts,
-                    max_new_tokens=max_new_tokens, seed=seed, concurrency=concurrency,
-                    timeout=timeout, gpu=gpu, dtype=dtype, progress=progress),
-                quiet=as_json)
+            target, result = _live(sampler, engine, launch, gpu, dtype, kv_cache, pol, out,
+                                   force, as_json, common, concurrency=concurrency,
+                                   timeout=timeout)
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     write_outputs(target, result, command)
-    if as_json:
-        typer.echo(_json.dumps({k: v for k, v in result.items() if k != "summary"}))
-    else:
-        typer.echo(f"{result['sampler']}: {result['verdict'].upper()} "
-                   f"({result['mode'].upper()}; policy {result['policy']}; dominant source "
-                   f"{result['dominant_source']})")
-        for c in result["checks"]:
-            value = "-" if c["value"] is None else f"{c['value']:.4g}"
-            res = {True: "pass", False: "FAIL", None: "n/a"}[c["passed"]]
-            typer.echo(f"  {res:<5} {c['metric']:<42} {value:>11} <= {c['budget']:<9.4g} "
-                       f"[{c['source']}] {c['note']}")
-        typer.echo(f"wrote {target}/verdict.json, results.json, report.md")
+    _print_verdict(result, target, as_json)
     raise typer.Exit(0 if result["verdict"] == "pass" else 1)
+
+
+def _emulated(gpu, dtype, kv_cache, pol, out, force, as_json, common, **sizes):
+    """(output folder, verdict) of an emulated sampler."""
+    if gpu is None or dtype is None:
+        raise ValueError("pass --gpu and --dtype for an emulated sampler, --sampler URL "
+                         "--engine vllm|sglang for a live one, or --launch vllm|sglang to "
+                         "start one")
+    from mismatch.app.probe import ProbeConfig
+    from mismatch.app.qualify import qualify_emulated
+    from mismatch.io import check_output_dir
+    from mismatch.profiles import resolve
+
+    spec = resolve(gpu, dtype, kv_cache)
+    cfg = ProbeConfig(gpu=gpu, dtype=dtype, kv_cache=kv_cache, **common, **sizes)
+    target = check_output_dir(out or Path("runs") / f"qualify-{spec.gpu}-{spec.dtype}",
+                              "qualify", force=force)
+    return target, run_with_bars(lambda progress: qualify_emulated(cfg, pol, progress),
+                                 quiet=as_json)
+
+
+def _live(sampler, engine, launch, gpu, dtype, kv_cache, pol, out, force, as_json, common,
+          **client):
+    """(output folder, verdict) of a live server: at --sampler URL, or started by --launch."""
+    try:
+        from mismatch.app.qualify_remote import qualify_launched, qualify_remote
+    except ImportError as exc:
+        raise ValueError(f"live servers cannot be qualified by this install ({exc}); "
+                         f"qualify an emulated sampler with --gpu/--dtype") from None
+    from mismatch.io import check_output_dir
+
+    _check_live(sampler, engine, launch)
+    if (gpu is None) != (dtype is None):
+        raise ValueError("with --sampler, --gpu and --dtype label the server together "
+                         "(the GPU it runs on, its weights' format): pass both or neither")
+    if gpu is not None:
+        from mismatch.profiles import resolve
+
+        spec = resolve(gpu, dtype, kv_cache)  # an unknown name is refused here too
+        gpu, dtype = spec.gpu, spec.dtype
+    target = check_output_dir(out or Path("runs") / "qualify-remote", "qualify", force=force)
+    options = dict(common, policy=pol, gpu=gpu, dtype=dtype, **client)
+    if launch is not None:
+        return target, run_with_bars(lambda progress: qualify_launched(
+            engine=launch, progress=progress, **options), quiet=as_json)
+    return target, run_with_bars(lambda progress: qualify_remote(
+        url=sampler, engine=engine, progress=progress, **options), quiet=as_json)
+
+
+def _print_verdict(result: dict, target: Path, as_json: bool) -> None:
+    """The verdict on stdout: one JSON object, or a line per check."""
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in result.items() if k != "summary"}))
+        return
+    typer.echo(f"{result['sampler']}: {result['verdict'].upper()} "
+               f"({result['mode'].upper()}; policy {result['policy']}; dominant source "
+               f"{result['dominant_source']})")
+    for c in result["checks"]:
+        value = "-" if c["value"] is None else f"{c['value']:.4g}"
+        res = {True: "pass", False: "FAIL", None: "n/a"}[c["passed"]]
+        typer.echo(f"  {res:<5} {c['metric']:<42} {value:>11} <= {c['budget']:<9.4g} "
+                   f"[{c['source']}] {c['note']}")
+    typer.echo(f"wrote {target}/verdict.json, results.json, report.md")
+
+
+def _check_live(sampler: str | None, engine: str | None, launch: str | None) -> None:
+    """A live sampler is either a server you started (--sampler URL --engine E) or one qualify
+    starts (--launch E): one line, exit 2, for anything in between."""
+    if launch is None:
+        return
+    if sampler is not None:
+        raise ValueError("pass --sampler URL (a server you started) or --launch vllm|sglang "
+                         "(qualify starts one), not both")
+    if launch.lower() not in ("vllm", "sglang"):
+        raise ValueError(f"--launch must be vllm or sglang, got {launch!r}")
+    if engine is not None and engine.lower() != launch.lower():
+        raise ValueError(f"--engine {engine} and --launch {launch} disagree; --launch alone "
+                         f"names the engine")
