@@ -153,7 +153,7 @@ class ProbeContext:
         return self._scales[key]
 
     def sampling_params(self, **overrides):
-        from mismatch.engines.sampler import SamplingParams
+        from mismatch.engines.logits import SamplingParams
 
         base = dict(max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
                     seed=self.cfg.seed)
@@ -166,7 +166,7 @@ class ProbeContext:
                  forced: torch.Tensor | None = None, seed_offset: int = 0) -> Rollout:
         """Sample (or, with `forced`, replay) completions under `variant` (decode path)."""
         from mismatch.engines.numerics import apply_numerics
-        from mismatch.engines.sampler import generate
+        from mismatch.engines.generation import generate
 
         spec = variant.spec
         model = self.model(spec.compute_dtype)
@@ -182,7 +182,7 @@ class ProbeContext:
     def _generate_measured(self, model: torch.nn.Module, prompts: list[list[int]],
                            params) -> Rollout:
         """The target sampler on the local GPU (the model visits CUDA for the call)."""
-        from mismatch.engines.sampler import generate
+        from mismatch.engines.generation import generate
 
         scales = self.scales(self.spec)  # calibrated on CPU, as for the emulated sampler
         model.cuda()

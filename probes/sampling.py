@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mismatch.engines.sampler import process_logits
+from mismatch.engines.logits import process_logits
 from mismatch.metrics import exact_kl, second_order
 
 from .base import SourceResult, pad_width

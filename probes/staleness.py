@@ -188,7 +188,7 @@ def _measure(ctx: ProbeContext, stale: torch.nn.Module, trainer: torch.nn.Module
              trainer_scores: _Memo, tick: Callable[[], None]) -> Tally:
     """Tally of `trainer` (π) against `stale` (μ) on `stale`'s rollouts of the probe subset."""
     from mismatch.engines.numerics import apply_numerics
-    from mismatch.engines.sampler import generate
+    from mismatch.engines.generation import generate
 
     cfg = ctx.cfg
     prompts = ctx.prompts[:cfg.subset_prompts]

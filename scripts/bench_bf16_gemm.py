@@ -105,7 +105,8 @@ def trainer_step(repeats: int) -> list[str]:
 
 def decode(repeats: int) -> list[str]:
     from mismatch.engines.numerics import apply_numerics, calibrate
-    from mismatch.engines.sampler import SamplingParams, generate
+    from mismatch.engines.logits import SamplingParams
+    from mismatch.engines.generation import generate
     from mismatch.profiles import resolve
     from mismatch.zoo import load_model, load_tokenizer
     from mismatch.zoo.prompts import load_prompts

@@ -120,7 +120,7 @@ def engine_run(model, prompts, steps: int, spec=None) -> tuple[float, int]:
     from mismatch.engines.engine import Engine
     from mismatch.engines.requests import Request
     from mismatch.engines.numerics import apply_numerics, calibrate
-    from mismatch.engines.sampler import SamplingParams
+    from mismatch.engines.logits import SamplingParams
 
     ctx = contextlib.nullcontext()
     if spec is not None:

@@ -34,7 +34,8 @@ def main() -> None:
 
     quiet_libraries()
     from mismatch.engines.numerics import apply_numerics, calibrate
-    from mismatch.engines.sampler import SamplingParams, generate
+    from mismatch.engines.logits import SamplingParams
+    from mismatch.engines.generation import generate
     from mismatch.zoo.prompts import load_prompts
     from mismatch.profiles import resolve
     from mismatch.zoo import load_model, load_tokenizer

@@ -42,7 +42,7 @@ def episodes(base: Path, n_tasks: int, seed: int):
 
 @torch.no_grad()
 def tail_stats(policy: Path, eps) -> dict[str, float]:
-    from mismatch.engines.sampler import SamplingParams, process_logits
+    from mismatch.engines.logits import SamplingParams, process_logits
     from mismatch.zoo import load_model
 
     model = load_model(policy, dtype="float32")

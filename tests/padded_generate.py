@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from mismatch.kernels.bf16_gemm import bf16_module_gemms
-from mismatch.engines.sampler import SamplingParams, process_logits, ranked_topk
+from mismatch.engines.logits import SamplingParams, process_logits, ranked_topk
 from mismatch.engines.scorer import position_ids, record_routing
 from mismatch.records import Rollout
 

@@ -83,7 +83,7 @@ def test_preset_help_names_every_registered_preset():
     """`--preset` help of train and study names exactly the registries' presets (study's is
     built from its registry; train's is written out so that --help need not import torch)."""
     from mismatch.train.config import RUN_PRESETS
-    from mismatch.study.grid import STUDY_PRESETS
+    from mismatch.study.cells import STUDY_PRESETS
 
     root = typer.main.get_command(app)
     for command, registry in (("train", RUN_PRESETS), ("study", STUDY_PRESETS)):
@@ -173,7 +173,7 @@ def test_train_and_study_take_the_same_arm_names_and_the_former_prompts():
     from mismatch.cli.common import ARM_ALIASES, STUDY_ARM_ALIASES, one_of
     from mismatch.train.config import preset_config
     from mismatch.train.loss import ARMS as LOSS_ARMS
-    from mismatch.study.grid import STUDY_ARMS
+    from mismatch.study.cells import STUDY_ARMS
 
     for study_name, loss_name in STUDY_ARMS.items():  # every study arm is a --correction name
         assert ARM_ALIASES.get(study_name, study_name) == loss_name
@@ -246,7 +246,7 @@ def test_every_choice_list_in_help_names_its_registry():
     from mismatch.probes import SOURCES
     from mismatch.profiles import DTYPES, GPUS, KV_CACHES, TRAINER_DTYPES
     from mismatch.train.loss import ARMS
-    from mismatch.study.grid import STUDY_ARMS, STUDY_FLEETS
+    from mismatch.study.cells import STUDY_ARMS, STUDY_FLEETS
 
     root = typer.main.get_command(app)
 

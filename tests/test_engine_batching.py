@@ -12,7 +12,8 @@ from mismatch.engines.engine import Engine
 from mismatch.engines.episodes import Session, drive_sessions, render_chat
 from mismatch.engines.numerics import apply_numerics, calibrate
 from mismatch.engines.requests import Request
-from mismatch.engines.sampler import SamplingParams, generate
+from mismatch.engines.logits import SamplingParams
+from mismatch.engines.generation import generate
 from mismatch.engines.streams import stream_uniform
 from mismatch.profiles import resolve
 
@@ -167,7 +168,7 @@ def test_kv_reuse_prefills_only_the_new_tokens_and_stays_within_the_decode_gap(m
     """Turn 2 with turn 1's KV (from its decode steps) vs re-prefilled: the same tokens under
     teacher forcing, and log-prob differences of the size of the prefill-vs-decode gap on the
     same tokens (the kernels probe's `decode` source). In FP32 both would agree to ~1e-6."""
-    from mismatch.engines.sampler import to_rollout
+    from mismatch.engines.generation import to_rollout
     from mismatch.engines.scorer import score
 
     with _numerics(model, prompts, gpu, "bf16"):

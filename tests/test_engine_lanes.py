@@ -70,7 +70,7 @@ def test_each_row_of_a_lane_batch_is_its_lanes_own(model, tok):
     from mismatch.engines.lane_numerics import apply_lane_numerics
     from mismatch.engines.numerics import apply_numerics
     from mismatch.engines.requests import Request
-    from mismatch.engines.sampler import SamplingParams
+    from mismatch.engines.logits import SamplingParams
 
     groups = [g for g in _groups() if g.name in ("b200-nvfp4", "h100-fp8", "rtx-pro-6000-bf16",
                                                 "b200-bf16")]

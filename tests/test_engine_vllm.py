@@ -209,7 +209,8 @@ def test_reported_logprobs_are_raw(server, prompts):
 
 
 def test_greedy_decoding_agrees_with_trainer(server, trainer, prompts):
-    from mismatch.engines.sampler import SamplingParams, generate
+    from mismatch.engines.logits import SamplingParams
+    from mismatch.engines.generation import generate
 
     r = _post(server, "/v1/completions", {
         "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 1,

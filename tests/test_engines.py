@@ -11,7 +11,8 @@ from mismatch.engines.attention import KERNEL_FAMILIES, KernelFamily, quantize_k
 from mismatch.engines.hf_attention import ATTN_IMPL
 from mismatch.engines.numerics import apply_numerics, calibrate
 from mismatch.engines.served_weights import quantizable_weights
-from mismatch.engines.sampler import SamplingParams, generate, process_logits
+from mismatch.engines.logits import SamplingParams, process_logits
+from mismatch.engines.generation import generate
 from mismatch.engines.scorer import score
 from mismatch.metrics import kl_estimators
 from mismatch.profiles import resolve
@@ -247,7 +248,7 @@ def test_experts_are_intercepted(tiny_moe):
 def test_candidates_and_nucleus_break_ties_by_token_id():
     """One ranking rule for ties (value descending, then id ascending), whatever torch's sort and
     topk do with equal values on this machine: candidates and nucleus agree, support is a prefix."""
-    from mismatch.engines.sampler import ranked_topk
+    from mismatch.engines.logits import ranked_topk
 
     logits = torch.full((3, 50), -9.0)
     logits[:, [40, 7, 23]] = 2.0        # a three-way tie at the top

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from mismatch.runtime import core_slots
-from mismatch.study.grid import STUDY_PRESETS, cells, run_order, run_state
+from mismatch.study.cells import STUDY_PRESETS, cells, run_order
+from mismatch.study.logs import run_state
 from mismatch.study.logs import export_logs
 from mismatch.study.aggregate import summarize_run
 from mismatch.study.runs import replayed_alert
@@ -283,7 +284,7 @@ def test_the_kl_ratio_is_given_at_step_1_and_as_the_studys_run_average():
     """Hand-made summaries: at step 1 L2 holds 100× L0's KL (numerics alone); averaged over the
     run the stable arm's KL is 3× (the study's measure: staleness adds to both fleets). A run
     short of the last step counts at step 1 but not in the run average."""
-    from mismatch.study.grid import Cell
+    from mismatch.study.cells import Cell
     from mismatch.study.aggregate import _kl_ratio
 
     cfg = STUDY_PRESETS["full"]()
@@ -309,7 +310,7 @@ def test_a_run_short_of_its_steps_is_not_judged_a_false_alarm():
     """Hand-made summaries: a finished run that never halved with a critical alert is a false
     alarm; a run still short of its steps that has not halved yet (with an alert, say, on its
     way to a collapse) is listed as not judged, live and replayed."""
-    from mismatch.study.grid import Cell
+    from mismatch.study.cells import Cell
     from mismatch.study.aggregate import _monitor
 
     steps = 150
@@ -340,7 +341,8 @@ def test_a_fleet_file_is_a_study_fleet(tmp_path):
     missing or malformed file, or two fleets of one name, is refused in one line."""
     from dataclasses import replace
 
-    from mismatch.study.grid import _command, fleet_label, fleet_of
+    from mismatch.study.cells import fleet_label, fleet_of
+    from mismatch.study.grid import _command
 
     plan = tmp_path / "plan.toml"
     plan.write_text('[[group]]\ngpu = "b200"\ndtype = "bf16"\nkv_cache = "bf16"\nshare = 0.75\n\n'

@@ -133,7 +133,7 @@ def run_episodes(model: torch.nn.Module, tokenizer, tasks: list,
     from mismatch.engines.episodes import Session, drive_sessions
     from mismatch.engines.lane_numerics import apply_lane_numerics
     from mismatch.engines.routing import routers
-    from mismatch.engines.sampler import SamplingParams
+    from mismatch.engines.logits import SamplingParams
 
     if not tasks:
         raise ValueError("run_episodes needs at least one task")

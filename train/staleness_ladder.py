@@ -121,7 +121,7 @@ class PolicyGradientLadder:
 
     def _sample(self, tasks, *, seed: int):
         from mismatch.engines.numerics import apply_numerics
-        from mismatch.engines.sampler import generate
+        from mismatch.engines.generation import generate
 
         ctx = self.ctx
         prompts = [p for p in _render(ctx.tokenizer, tasks) for _ in range(GROUP_SIZE)]

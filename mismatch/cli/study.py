@@ -1,6 +1,6 @@
 """`mismatch study`: the reference study's grid (fleet x staleness x arm x seed) as separate
-`mismatch train` processes, resumably, aggregated into one report (mismatch/study/grid.py,
-mismatch/study/aggregate.py). Registered by mismatch/cli/main.py. Exit codes: 0 every run finished;
+`mismatch train` processes, resumably, aggregated into one report (mismatch/study/cells.py,
+grid.py and aggregate.py). Registered by mismatch/cli/main.py. Exit codes: 0 every run finished;
 1 a run failed (the report still covers the rest); 2 bad input.
 """
 
@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from mismatch.cli.common import STUDY_ARM_ALIASES, one_of, preset_help, run_with_state_bar
-from mismatch.study.grid import STUDY_PRESETS
+from mismatch.study.cells import STUDY_PRESETS
 
 __all__ = ["study_command"]
 
@@ -86,7 +86,8 @@ def study_command(
     quiet_libraries()
     from dataclasses import replace
 
-    from mismatch.study.grid import STUDY_PRESETS, run_grid
+    from mismatch.study.cells import STUDY_PRESETS
+    from mismatch.study.grid import run_grid
     from mismatch.study.aggregate import aggregate
 
     grid_command = ""
@@ -161,7 +162,7 @@ def study_command(
 def _eval_full_vocab(cfg, out: Path, *, quiet: bool) -> None:
     """--eval-full-vocab: each finished top-p run of the grid not yet evaluated that way."""
     from mismatch.cli.common import fail
-    from mismatch.study.grid import cells
+    from mismatch.study.cells import cells
     from mismatch.study.full_vocab import evaluate_full_vocab, needs_full_vocab_eval
 
     todo = [out / c.name for c in cells(cfg) if needs_full_vocab_eval(out / c.name)]
@@ -180,7 +181,7 @@ def _saved_study(out: Path, cfg, over: dict):
     import json
     from dataclasses import fields, replace
 
-    from mismatch.study.grid import StudyConfig
+    from mismatch.study.cells import StudyConfig
 
     meta = out / "study.json"
     if not meta.exists():

@@ -51,7 +51,7 @@ from .lanes import batch_lanes
 from .outputs import SlotOutputs
 from .requests import Completion, EngineStats, Request
 from .routing import routers as find_routers
-from .sampler import process_rows, ranked_topk
+from .logits import process_rows, ranked_topk
 from .streams import inverse_cdf_draw, stream_uniform
 
 __all__ = ["Engine"]

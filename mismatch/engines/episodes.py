@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from .engine import Engine
 from .requests import Completion, Request
-from .sampler import SamplingParams
+from .logits import SamplingParams
 
 __all__ = ["EpisodeError", "EpisodeTrace", "Session", "continuation_ids", "render_chat",
            "drive_sessions", "decode_ids", "encode_text", "after_turn_text", "PROBE_CHAT"]

@@ -15,7 +15,7 @@ from typing import Any, Hashable
 
 import torch
 
-from .sampler import SamplingParams
+from .logits import SamplingParams
 
 __all__ = ["Request", "Completion", "EngineStats"]
 

@@ -2,7 +2,7 @@
 
 A client sends each prompt as token ids (never text), one HTTP request per prompt, at most
 `max_concurrency` at a time, and lays the answers out exactly as the emulated sampler does
-(`mismatch.engines.sampler.generate`): prompts left-padded to a common width, the completion
+(`mismatch.engines.generation.generate`): prompts left-padded to a common width, the completion
 after them, padded after EOS / the last token, `sampler_logprobs` at the completion positions,
 the top-K candidates of each step, `prompt_width`. The trainer side then re-scores the
 same tokens locally (`mismatch.engines.scorer.score`) and the same metrics apply.
@@ -243,7 +243,7 @@ class SamplerClient(abc.ABC):
         log-prob mode is in `meta["logprob_mode"]`); `sampler_logprobs_processed` holds the same
         numbers, since a server reports one kind. ignore_eos: generate max_new_tokens regardless
         of EOS (the canary uses it to see a fixed number of log-probs)."""
-        from ..engines.sampler import SamplingParams
+        from ..engines.logits import SamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, candidates=candidates, seed=seed)

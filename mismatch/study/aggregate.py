@@ -12,7 +12,7 @@ from typing import Any
 
 from mismatch.io import atomic_write_text
 
-from .grid import STUDY_ARMS, STUDY_FLEETS, Cell, StudyConfig, cells, fleet_label
+from .cells import STUDY_ARMS, STUDY_FLEETS, Cell, StudyConfig, cells, fleet_label
 from .runs import (WINDOW, cell_panels, cell_runs, ci95, lag_label, share_ci,
                             replayed_alert, summarize_run)
 

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from mismatch.io import atomic_path, atomic_write_text
 
-__all__ = ["LOGS", "ADOPTED", "export_logs", "adopt_logs", "steps_logged"]
+from .cells import STUDY_ARMS, cells, fleet_of
+
+__all__ = ["LOGS", "ADOPTED", "export_logs", "adopt_logs", "steps_logged", "run_state"]
 
 LOGS = ("metrics.jsonl", "alerts.jsonl", "eval.json", "config.json", "command.txt")
 """What a run directory holds that the report reads (no checkpoints, no weights)."""
@@ -39,8 +41,6 @@ def export_logs(cfg, out: Path, dest: Path) -> list[str]:
     temporary name and renamed), so that `--report-only --out DEST` rebuilds the report without
     the checkpoints. A run that logged fewer steps than `dest` already holds of it (a rerun
     still behind an earlier export) is left out. Returns the runs copied."""
-    from .grid import cells
-
     out, dest = Path(out), Path(dest)
     if not (out / "study.json").is_file():
         raise ValueError(f"{out} holds no study (no study.json); run it first")
@@ -65,8 +65,6 @@ def export_logs(cfg, out: Path, dest: Path) -> list[str]:
 def _expected(cfg, cell) -> dict:
     """The config.json fields a run of `cell` in grid `cfg` is made with (the model by name:
     the policy folder's path differs from machine to machine)."""
-    from .grid import STUDY_ARMS, fleet_of
-
     return {"fleet": fleet_of(cell.fleet), "correction": STUDY_ARMS[cell.arm],
             "sync": cell.staleness is None, "staleness": cell.staleness, "seed": cell.seed,
             "steps": cfg.steps, "lr": cfg.lr, "tasks": cfg.tasks,
@@ -90,8 +88,6 @@ def adopt_logs(cfg, out: Path, src: Path) -> list[str]:
     (an export) holds finished; a run directory OUT held for it (an unfinished run, checkpoints
     included) is replaced. Returns the runs adopted. Raises ValueError for a `src` that is not
     a directory, or a finished run there made with other settings than this grid's."""
-    from .grid import cells, run_state
-
     out, src = Path(out), Path(src)
     if not src.is_dir():
         raise ValueError(f"--adopt {src}: no such directory; pass a study's --export folder")
@@ -123,3 +119,15 @@ def adopt_logs(cfg, out: Path, src: Path) -> list[str]:
         marker = {"from": str(theirs), "steps": steps_logged(theirs)}
         atomic_write_text(run / ADOPTED, json.dumps(marker, indent=2) + "\n")
     return [name for name, _, _ in todo]
+
+
+def run_state(run: Path, steps: int) -> str:
+    """done | resume (a checkpoint to continue from) | fresh (nothing, or nothing worth keeping)"""
+    from mismatch.train.rundir import latest_checkpoint
+
+    finished = (run / "final").is_dir() or (run / ADOPTED).is_file()  # adopted: adopt_logs
+    if finished and steps_logged(run) >= steps:
+        return "done"
+    if latest_checkpoint(run) is not None:
+        return "resume"
+    return "fresh"

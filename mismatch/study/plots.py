@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mismatch.io import save_figure
 
-from .grid import STUDY_FLEETS, Cell, StudyConfig, fleet_label
+from .cells import STUDY_FLEETS, Cell, StudyConfig, fleet_label
 from .runs import WINDOW, cell_panels, cell_runs, trailing
 
 __all__ = ["plot_study"]

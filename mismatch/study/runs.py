@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .grid import Cell, StudyConfig
+from .cells import Cell, StudyConfig
 
 __all__ = ["summarize_run", "replayed_alert", "cell_runs", "cell_panels", "WINDOW", "trailing", "ci95",
            "share_ci", "lag_label"]

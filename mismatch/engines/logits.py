@@ -1,0 +1,98 @@
+"""Sampling parameters and the processing of logits: the distribution actually sampled from
+(temperature, top-k, top-p; `process_logits`, `process_rows`) and the candidate ranking
+(`ranked_topk`) — what the rollout engine (engine.py) applies at every decode step, and what the
+probes replay. vLLM calls log-probs under the processed distribution "processed_logprobs", those
+of the temperature-1 full distribution "raw_logprobs"; confusing them is a known source of
+spurious mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "process_logits", "process_rows", "ranked_topk"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How tokens are drawn."""
+
+    max_new_tokens: int = 64
+    """Tokens to generate per prompt at most."""
+    temperature: float = 1.0
+    """Softmax temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass kept (1: no truncation)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0: no truncation)."""
+    candidates: int = 8
+    """Top-K candidates of the raw distribution recorded per position."""
+    seed: int = 0
+    """Seed of the sampling generator."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.candidates < 1:
+            raise ValueError(f"top_k must be >= 0 and candidates >= 1, got {self.top_k}, "
+                             f"{self.candidates}")
+
+
+def process_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[B, V] FP32 logits with one SamplingParams per row → [B, V] processed log-probs (rows that
+    share their params are processed together)."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p, []).append(i)
+    if len(groups) == 1:
+        return process_logits(logits, next(iter(groups)))
+    proc = torch.empty_like(logits)
+    for p, idx in groups.items():
+        sel = torch.tensor(idx)
+        proc[sel] = process_logits(logits[sel], p)
+    return proc
+
+
+def ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] → the k best (values, ids) of each row, ranked by value descending, then token id
+    ascending: the one ranking rule the candidates and the nucleus (`process_logits`) share.
+
+    torch's `topk` and `sort` leave the order of tied values unspecified (it differs between
+    machines), so a candidate list and a nucleus ranked by either alone may disagree on a tie."""
+    k = min(k, x.shape[-1])
+    kth = x.topk(k, dim=-1).values[:, -1:]
+    above, tied = x > kth, x == kth
+    need = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(-1) <= need))  # ties at the boundary: lowest ids
+    ids = chosen.nonzero()[:, 1].view(x.shape[0], k)  # ascending ids per row
+    vals = x.gather(-1, ids)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices  # stable: ties keep id order
+    return vals.gather(-1, order), ids.gather(-1, order)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[B, V] FP32 logits → [B, V] log-probs of the sampling distribution (−inf outside it).
+
+    The nucleus is a prefix of the ranking by value descending, then token id ascending (a
+    stable sort), the same rule as `ranked_topk`'s candidates."""
+    if params.temperature == 0:
+        out = torch.full_like(logits, float("-inf"))
+        return out.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
+    z = logits / params.temperature
+    if params.top_k:  # exactly k tokens, ties at the boundary to the lowest ids
+        vals, ids = ranked_topk(z, params.top_k)
+        z = torch.full_like(z, float("-inf")).scatter(-1, ids, vals)
+    if params.top_p < 1:
+        sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        # keep a token if the mass before it is < top_p (the first token is always kept)
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+        z = torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
+    return torch.log_softmax(z, dim=-1)
