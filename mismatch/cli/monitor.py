@@ -109,32 +109,52 @@ def monitor_command(
     """Watch a training run's metrics for the collapse signature: exit 0 quiet, 1 alert, 2 bad
     input."""
     from mismatch.cli.common import fail
-    from mismatch.probes.monitor import (SEVERITIES, CollapseMonitor, MonitorConfig,
-                                         baselines_from_log, check_log, open_sinks, read_records,
-                                         run_summary, severity_rank, sink_problems,
-                                         default_rules, stop_on_signals, summary_line,
-                                         unreadable, with_kl_floor)
-    from mismatch.probes.monitor.formats import RecordReader, get_adapter
 
     try:
-        if fail_on not in SEVERITIES:
-            raise ValueError(f"--fail-on must be warning or critical, got {fail_on!r}")
-        threshold = severity_rank(fail_on)
-        adapter = get_adapter(fmt, mapping)
-        if poll_interval <= 0:
-            raise ValueError(f"--poll-interval must be > 0 seconds, got {poll_interval}")
-        if max_idle is not None and max_idle < 0:
-            raise ValueError(f"--max-idle must be >= 0 seconds, got {max_idle}")
-        check_log(file, adapter, follow=follow)
-        config = MonitorConfig(rules=with_kl_floor(default_rules(), kl_floor),
-                               baselines=baselines_from_log(baseline, adapter) if baseline else {},
-                               masked_loss=masked_loss or _run_masks_tokens(file))
-        sinks = open_sinks(_display(as_json), alert_log=alert_log,
-                           prometheus_port=prometheus_port, webhook=webhook)
-        if prometheus_port is not None:
-            typer.echo(f"serving Prometheus metrics at {sinks[-1].url}", err=True)
+        adapter, config, sinks = _setup(
+            file, fmt=fmt, mapping=mapping, fail_on=fail_on, follow=follow,
+            poll_interval=poll_interval, max_idle=max_idle, baseline=baseline,
+            kl_floor=kl_floor, masked_loss=masked_loss, as_json=as_json, alert_log=alert_log,
+            prometheus_port=prometheus_port, webhook=webhook)
     except (ValueError, OSError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    monitor, reader, steps = _watch(file, adapter, config, sinks, follow=follow,
+                                    poll_interval=poll_interval, max_idle=max_idle)
+    raise typer.Exit(_report(file, monitor, reader, sinks, fail_on, steps, as_json))
+
+
+def _setup(file: Path, *, fmt, mapping, fail_on, follow, poll_interval, max_idle, baseline,
+           kl_floor, masked_loss, as_json, alert_log, prometheus_port, webhook):
+    """The options checked (ValueError / OSError: one line): (adapter, MonitorConfig, sinks)."""
+    from mismatch.probes.monitor import (SEVERITIES, MonitorConfig, baselines_from_log,
+                                         check_log, default_rules, open_sinks, with_kl_floor)
+    from mismatch.probes.monitor.formats import get_adapter
+
+    if fail_on not in SEVERITIES:
+        raise ValueError(f"--fail-on must be warning or critical, got {fail_on!r}")
+    adapter = get_adapter(fmt, mapping)
+    if poll_interval <= 0:
+        raise ValueError(f"--poll-interval must be > 0 seconds, got {poll_interval}")
+    if max_idle is not None and max_idle < 0:
+        raise ValueError(f"--max-idle must be >= 0 seconds, got {max_idle}")
+    check_log(file, adapter, follow=follow)
+    config = MonitorConfig(rules=with_kl_floor(default_rules(), kl_floor),
+                           baselines=baselines_from_log(baseline, adapter) if baseline else {},
+                           masked_loss=masked_loss or _run_masks_tokens(file))
+    sinks = open_sinks(_display(as_json), alert_log=alert_log,
+                       prometheus_port=prometheus_port, webhook=webhook)
+    if prometheus_port is not None:
+        typer.echo(f"serving Prometheus metrics at {sinks[-1].url}", err=True)
+    return adapter, config, sinks
+
+
+def _watch(file: Path, adapter, config, sinks, *, follow: bool, poll_interval: float,
+           max_idle: float | None):
+    """Every record of the log through the monitor (following it, until a signal or --max-idle,
+    with --follow): (monitor, reader, the steps seen)."""
+    from mismatch.cli.common import fail
+    from mismatch.probes.monitor import CollapseMonitor, read_records, stop_on_signals
+    from mismatch.probes.monitor.formats import RecordReader
 
     monitor = CollapseMonitor(config, sinks=sinks)
     reader = RecordReader(adapter)
@@ -150,16 +170,25 @@ def monitor_command(
         fail(str(exc).splitlines()[0])
     finally:
         monitor.close()
-    if not monitor.counts["records"]:  # an empty log too: a gate must not pass on nothing
+    return monitor, reader, steps
+
+
+def _report(file: Path, monitor, reader, sinks, fail_on: str, steps: set[int],
+            as_json: bool) -> int:
+    """The summary on stdout, notes and sink problems on stderr; the exit code (1: an alert at
+    or above --fail-on). A log without one record is bad input (exit 2): a gate must not pass
+    on nothing."""
+    from mismatch.cli.common import fail
+    from mismatch.probes.monitor import (run_summary, severity_rank, sink_problems,
+                                         summary_line, unreadable)
+
+    if not monitor.counts["records"]:
         fail(unreadable(file, reader) or f"{file}: not one record to monitor")
     for notice in reader.notices():
         typer.echo(f"mismatch: note: {notice}", err=True)
     for problem in sink_problems(sinks):
         typer.echo(f"mismatch: {problem}", err=True)
     summary = run_summary(monitor, reader, fail_on, steps=len(steps))
-    if as_json:
-        typer.echo(json.dumps({"summary": summary}))
-    else:
-        typer.echo(summary_line(summary))
-    fired = any(severity_rank(a.severity) >= threshold for a in monitor.alerts)
-    raise typer.Exit(1 if fired else 0)
+    typer.echo(json.dumps({"summary": summary}) if as_json else summary_line(summary))
+    threshold = severity_rank(fail_on)
+    return 1 if any(severity_rank(a.severity) >= threshold for a in monitor.alerts) else 0
