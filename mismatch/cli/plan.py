@@ -49,59 +49,84 @@ def plan_command(
 ) -> None:
     """Plan the cheapest sampler fleet within a mismatch budget: exit 0 plan, 1 infeasible, 2 bad
     input."""
-    import json
-
-    from mismatch.io import check_output_dir
     from mismatch.plan import PlanInfeasible, PlanInputError
-    from mismatch.plan.spec import BILLINGS, load_spec
 
     command = "mismatch " + " ".join(sys.argv[1:]) if sys.argv[1:] else "mismatch plan"
     try:
-        if billing is not None and billing not in BILLINGS:
-            raise PlanInputError(f"--billing {billing!r}: choose serverless or reserved")
-        if kl is not None and not kl > 0:
-            raise PlanInputError(f"--kl must be > 0, got {kl}")
-        if model is not None and not Path(model).is_dir():
-            raise PlanInputError(f"--model {model} is not a directory")
-        spec = load_spec(fleet)
-        target = check_output_dir(out or Path("runs") / f"plan-{fleet.stem}", "plan",
-                                  force=force)
-        from mismatch.app.plan import default_cache_dir, fill_figures, plan_fleet
-
-        if spec.groups and any(g.kl is None or g.masked is None for g in spec.groups) \
-                and not no_probe:
-            from mismatch.cli.common import quiet_libraries
-
-            quiet_libraries()
-        log = (lambda line: None) if as_json else (lambda line: typer.echo(line, err=True))
-        spec = fill_figures(spec, model, n_prompts=n_prompts, seed=seed,
-                            cache=cache or default_cache_dir(), probe=not no_probe, log=log)
+        spec, target = _inputs(fleet, billing=billing, kl=kl, model=model, out=out, force=force,
+                               n_prompts=n_prompts, seed=seed, cache=cache, no_probe=no_probe,
+                               as_json=as_json)
     except (PlanInputError, ValueError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     try:
-        result = plan_fleet(spec, billing, kl)
-        if simulate is not None:
-            from mismatch.app.plan import simulate_plan
-
-            for name, value in (("--sim-hours", sim_hours), ("--episode-tokens", episode_tokens),
-                                ("--sim-batch", sim_batch)):
-                if not value > 0:
-                    raise PlanInputError(f"{name} must be > 0, got {value}")
-            result = simulate_plan(result, simulate, hours=sim_hours, cold_start_s=cold_start,
-                                   episode_tokens=episode_tokens, batch=sim_batch, seed=seed)
+        result = _solve(spec, billing, kl, simulate, seed=seed, hours=sim_hours,
+                        cold_start_s=cold_start, episode_tokens=episode_tokens, batch=sim_batch)
     except PlanInfeasible as exc:
         fail(f"no fleet meets the budgets: {exc}", code=1)
     except PlanInputError as exc:
         fail(str(exc).splitlines()[0])
+    _print(result, target, command, as_json)
+
+
+def _inputs(fleet: Path, *, billing, kl, model, out, force, n_prompts, seed, cache, no_probe,
+            as_json):
+    """The fleet file read and its missing figures filled (probing the groups where the file
+    leaves their KL out), and the output folder checked: (spec, target)."""
+    from mismatch.io import check_output_dir
+    from mismatch.plan import PlanInputError
+    from mismatch.plan.spec import BILLINGS, load_spec
+
+    if billing is not None and billing not in BILLINGS:
+        raise PlanInputError(f"--billing {billing!r}: choose serverless or reserved")
+    if kl is not None and not kl > 0:
+        raise PlanInputError(f"--kl must be > 0, got {kl}")
+    if model is not None and not Path(model).is_dir():
+        raise PlanInputError(f"--model {model} is not a directory")
+    spec = load_spec(fleet)
+    target = check_output_dir(out or Path("runs") / f"plan-{fleet.stem}", "plan", force=force)
+    from mismatch.app.plan import default_cache_dir, fill_figures
+
+    if spec.groups and any(g.kl is None or g.masked is None for g in spec.groups) \
+            and not no_probe:
+        from mismatch.cli.common import quiet_libraries
+
+        quiet_libraries()
+    log = (lambda line: None) if as_json else (lambda line: typer.echo(line, err=True))
+    return fill_figures(spec, model, n_prompts=n_prompts, seed=seed,
+                        cache=cache or default_cache_dir(), probe=not no_probe, log=log), target
+
+
+def _solve(spec, billing, kl, simulate: Path | None, *, seed: int, **sim):
+    """The exact plan, and its run over a capacity trace with --simulate (`sim`: hours,
+    cold_start_s, episode_tokens, batch)."""
+    from mismatch.app.plan import plan_fleet
+    from mismatch.plan import PlanInputError
+
+    result = plan_fleet(spec, billing, kl)
+    if simulate is None:
+        return result
+    from mismatch.app.plan import simulate_plan
+
+    for name, key in (("--sim-hours", "hours"), ("--episode-tokens", "episode_tokens"),
+                      ("--sim-batch", "batch")):
+        if not sim[key] > 0:
+            raise PlanInputError(f"{name} must be > 0, got {sim[key]}")
+    return simulate_plan(result, simulate, seed=seed, **sim)
+
+
+def _print(result, target: Path, command: str, as_json: bool) -> None:
+    """Write the outputs; the plan on stdout (a table, or one JSON object)."""
+    import json
+
     from mismatch.app.plan import render_table, simulation_lines, write_outputs
 
     names = write_outputs(target, result, command)
     if as_json:
         typer.echo(json.dumps(result.to_json(), allow_nan=False))
-    else:
-        typer.echo(render_table(result))
-        if result.simulation is not None:
-            typer.echo("")
-            for line in simulation_lines(result.simulation):
-                typer.echo(line)
-        typer.echo(f"wrote {target}/" + ", ".join(names))
+        return
+    typer.echo(render_table(result))
+    if result.simulation is not None:
+        typer.echo("")
+        for line in simulation_lines(result.simulation):
+            typer.echo(line)
+    typer.echo(f"wrote {target}/" + ", ".join(names))
