@@ -84,61 +84,79 @@ def study_command(
     from mismatch.cli.common import fail, quiet_libraries
 
     quiet_libraries()
-    from dataclasses import replace
-
-    from mismatch.study.cells import STUDY_PRESETS
-    from mismatch.study.grid import run_grid
-    from mismatch.study.aggregate import aggregate
-
-    grid_command = ""
+    over = {"fleets": fleets and _csv(fleets),
+            "arms": arms and tuple(STUDY_ARM_ALIASES.get(a, a) for a in _csv(arms)),
+            "seeds": seeds and _csv(seeds, int), "staleness": staleness and _csv(staleness, int),
+            "sync_arms": None if sync_arms is None else
+            tuple(STUDY_ARM_ALIASES.get(a, a) for a in _csv(sync_arms)),
+            "policy_steps": policy_steps, "eval_tasks": eval_tasks, "steps": steps, "lr": lr,
+            "tasks": tasks, "samples": samples}
     try:
-        if preset not in STUDY_PRESETS:
-            raise ValueError(f"unknown study preset {preset!r}; presets: "
-                             f"{', '.join(STUDY_PRESETS)}")
-        if jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {jobs}")
-        if report_only and adopt is not None:
-            raise ValueError("--adopt is for a grid that runs; to report on an export, --out it")
-        if notes is not None and not notes.is_file():
-            raise ValueError(f"--notes {notes}: no such file")
-        cfg = STUDY_PRESETS[preset]()
-        prompts = one_of(prompts, prompts_alias)
-        over = {"fleets": fleets and _csv(fleets),
-                "arms": arms and tuple(STUDY_ARM_ALIASES.get(a, a) for a in _csv(arms)),
-                "seeds": seeds and _csv(seeds, int),
-                "staleness": staleness and _csv(staleness, int),
-                "sync_arms": None if sync_arms is None else
-                tuple(STUDY_ARM_ALIASES.get(a, a) for a in _csv(sync_arms)),
-                "policy_steps": policy_steps, "eval_tasks": eval_tasks,
-                "steps": steps, "lr": lr, "tasks": tasks, "prompts": prompts, "samples": samples}
-        cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
-        if report_only:
-            cfg, grid_command = _saved_study(out, cfg, over)
+        over["prompts"] = one_of(prompts, prompts_alias)
+        cfg, grid_command = _grid(preset, over, out=out, jobs=jobs, report_only=report_only,
+                                  adopt=adopt, notes=notes)
     except ValueError as exc:
         fail(str(exc))
     command = "mismatch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    elapsed = None
     if report_only and grid_command:  # the report names the run that made it, then this
         command = grid_command + "\n" + command
-    if not report_only:
-        try:
-            result = _with_grid_display(
-                lambda p: run_grid(cfg, out, jobs=jobs, progress=p, command=command,
-                                   adopt=adopt),
-                quiet=quiet)
-        except ValueError as exc:
-            fail(str(exc))
-        except OSError as exc:  # an --out that is a file, a read-only or full disk
-            fail(f"cannot run the study in {out}: {exc.strerror or exc}; choose another --out")
-        elapsed = result.seconds
-        typer.echo(f"{out}: {len(result.done)} run(s) finished, {len(result.skipped)} already "
-                   f"done ({len(result.adopted)} adopted), {len(result.resumed)} resumed, "
-                   f"{len(result.failed)} failed "
-                   f"({result.seconds / 60:.1f} min)")
-        for name, last in result.failed.items():
-            typer.echo(f"failed: {name}: {last} (log: {out / name / 'train.log'})", err=True)
+    result = None if report_only else _run(cfg, out, jobs=jobs, command=command, adopt=adopt,
+                                           quiet=quiet)
     if eval_full_vocab:
         _eval_full_vocab(cfg, out, quiet=quiet)
+    _report(cfg, out, report, command=command, elapsed=result and result.seconds, notes=notes,
+            export=export)
+    if result is not None and result.failed:
+        raise typer.Exit(1)
+
+
+def _grid(preset: str, over: dict, *, out: Path, jobs: int, report_only: bool,
+          adopt: Path | None, notes: Path | None):
+    """The grid to run (the preset with the options given), checked (ValueError: one line),
+    and the command that ran it (`--report-only`: the saved grid's)."""
+    from dataclasses import replace
+
+    from mismatch.study.cells import STUDY_PRESETS
+
+    if preset not in STUDY_PRESETS:
+        raise ValueError(f"unknown study preset {preset!r}; presets: {', '.join(STUDY_PRESETS)}")
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    if report_only and adopt is not None:
+        raise ValueError("--adopt is for a grid that runs; to report on an export, --out it")
+    if notes is not None and not notes.is_file():
+        raise ValueError(f"--notes {notes}: no such file")
+    cfg = replace(STUDY_PRESETS[preset](), **{k: v for k, v in over.items() if v is not None})
+    return _saved_study(out, cfg, over) if report_only else (cfg, "")
+
+
+def _run(cfg, out: Path, *, jobs: int, command: str, adopt: Path | None, quiet: bool):
+    """Run the grid's runs (a display over them unless quiet); a line on how they went."""
+    from mismatch.cli.common import fail
+    from mismatch.study.grid import run_grid
+
+    try:
+        result = _with_grid_display(
+            lambda p: run_grid(cfg, out, jobs=jobs, progress=p, command=command, adopt=adopt),
+            quiet=quiet)
+    except ValueError as exc:
+        fail(str(exc))
+    except OSError as exc:  # an --out that is a file, a read-only or full disk
+        fail(f"cannot run the study in {out}: {exc.strerror or exc}; choose another --out")
+    typer.echo(f"{out}: {len(result.done)} run(s) finished, {len(result.skipped)} already "
+               f"done ({len(result.adopted)} adopted), {len(result.resumed)} resumed, "
+               f"{len(result.failed)} failed ({result.seconds / 60:.1f} min)")
+    for name, last in result.failed.items():
+        typer.echo(f"failed: {name}: {last} (log: {out / name / 'train.log'})", err=True)
+    return result
+
+
+def _report(cfg, out: Path, report: Path | None, *, command: str, elapsed: float | None,
+            notes: Path | None, export: Path | None) -> None:
+    """The report (and its plots) of the runs in OUT; their logs copied to --export."""
+    from mismatch.cli.common import fail
+    from mismatch.study.aggregate import aggregate
+
     try:
         path = aggregate(cfg, out, report or out / "study.md", command=command,
                          elapsed=elapsed, notes=notes.read_text() if notes else None)
@@ -155,8 +173,6 @@ def study_command(
         except (ValueError, OSError) as exc:
             fail(f"cannot export to {export}: {exc}")
         typer.echo(f"exported the logs of {len(runs)} run(s) to {export}")
-    if not report_only and result.failed:
-        raise typer.Exit(1)
 
 
 def _eval_full_vocab(cfg, out: Path, *, quiet: bool) -> None:
