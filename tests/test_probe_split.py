@@ -113,3 +113,21 @@ def test_bf16_precision_column_is_exactly_zero():
     assert p["kl_exact"] == 0 and p["kl_exact_ci95"] == [0.0, 0.0]  # the trainer's own formats
     assert s["total"]["kl_exact"] > 0  # the decode path and FA2 tiling still differ
     assert s["sources"]["accelerator"]["kl_exact"] == pytest.approx(s["total"]["kl_exact"])
+
+
+def test_the_footnote_names_the_columns_without_token_estimators():
+    """The † note names exactly the columns whose k1/k3/ESS do not apply (not a reference
+    column that is not there)."""
+    from mismatch.app.report import format_table
+
+    fig = {"kl_exact": 1e-5, "kl_k3": 1e-5, "kl_k1": 1e-5, "tokens": 10}
+    summary = {"total": dict(fig), "sources": {"precision": dict(fig, k_estimators_valid=False),
+                                               "accelerator": dict(fig)}}
+    note = format_table(summary).splitlines()[-1]
+    assert note.startswith("†") and "the precision column drew none" in note
+    assert "FP32" not in note and "only its exact KL" in note
+    summary["references"] = {"trainer": dict(fig, k_estimators_valid=False)}
+    note = format_table(summary).splitlines()[-1]
+    assert "the precision and trainer columns drew none" in note and "their exact KL" in note
+    summary = {"total": dict(fig), "sources": {"accelerator": dict(fig)}}
+    assert "†" not in format_table(summary)

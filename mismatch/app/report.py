@@ -27,10 +27,9 @@ _ROWS = (("kl_exact", "KL exact", "{:.3e}"), ("kl_exact_ci95", "KL exact 95% CI"
          ("ratio_outside_10pct", "outside [0.9, 1.1]", "{:.4%}"),
          ("ess", "ESS", "{:.5f}"))
 _OFF = "n/a†"
-_FOOTNOTE = ("† k1/k3 and ESS estimate KL(μ‖π) only on tokens drawn from μ; the precision "
-             "configuration (and the trainer, against FP32) drew none (the tokens are the "
-             "sampler's), so only its exact KL counts (the JSON keeps the token figures, "
-             "flagged k_estimators_valid: false).")
+_FOOTNOTE = ("† k1/k3 and ESS estimate KL(μ‖π) only on tokens drawn from μ; {who} drew none "
+             "(the tokens are the sampler's), so only {its} exact KL counts (the JSON keeps the "
+             "token figures, flagged k_estimators_valid: false).")
 _MEANING = ("Columns: `total` = KL(sampler ‖ trainer); `precision` = KL(precision ‖ trainer), "
             "the trainer's forward with the sampler's formats (weights decoded from their real "
             "storage, activations and KV cache quantized); `accelerator` = KL(sampler ‖ "
@@ -57,6 +56,14 @@ def _cell(col: dict, key: str, fmt: str | None) -> str:
 
 def _has_off(cols: list[tuple[str, dict]]) -> bool:
     return any(not c.get("k_estimators_valid", True) for _, c in cols)
+
+
+def _footnote(cols: list[tuple[str, dict]]) -> str:
+    """The † note, naming the columns whose token estimators do not apply."""
+    off = [name for name, c in cols if not c.get("k_estimators_valid", True)]
+    who = (f"the {off[0]} column" if len(off) == 1
+           else f"the {', '.join(off[:-1])} and {off[-1]} columns")
+    return _FOOTNOTE.format(who=who, its="its" if len(off) == 1 else "their")
 
 
 def split_check(summary: dict) -> str:
@@ -86,7 +93,7 @@ def format_table(summary: dict) -> str:
     for key, label, fmt in _ROWS:
         lines.append(f"{label:<18}" + "".join(f"{_cell(c, key, fmt):>22}" for _, c in cols))
     if _has_off(cols):
-        lines.append(_FOOTNOTE)
+        lines.append(_footnote(cols))
     return "\n".join(lines)
 
 
@@ -108,7 +115,7 @@ def markdown_report(summary: dict, command: str) -> str:
     for key, label, fmt in _ROWS:
         label = f"**{label}**" if key == "kl_exact" else label.replace("|", "\\|")
         out.append(f"| {label} | " + " | ".join(_cell(c, key, fmt) for _, c in cols) + " |")
-    out += [""] + ([_FOOTNOTE, ""] if _has_off(cols) else [])
+    out += [""] + ([_footnote(cols), ""] if _has_off(cols) else [])
     out += [_MEANING, "", split_check(summary), "",
             "![log-ratio histogram](log_ratio_hist.png)", "",
             "![per-position divergence](per_position.png)", ""]
