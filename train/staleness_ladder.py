@@ -203,7 +203,10 @@ def _batch(rollout: Rollout, advantages: torch.Tensor, pad_id: int) -> Batch:
     real = rollout.attention_mask.bool()
     b, t = real.shape
     order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)  # real tokens first
-    take = lambda x: x.gather(1, order)  # noqa: E731
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, order)
+
     sampled = take(rollout.completion_mask.bool())
     ids = torch.where(take(real), take(rollout.token_ids), pad_id)
     return Batch(ids=ids, attention=take(rollout.attention_mask), mask=sampled,
