@@ -48,6 +48,7 @@ __all__ = [
     "E8M0_BIAS",
     "E8M0_NAN",
     "get_format",
+    "div_scalar",
     "round_to_format",
     "encode_codes",
     "threshold_codes",
@@ -145,6 +146,16 @@ def get_format(name: str) -> FloatFormat:
         return FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown element format {name!r}; valid: {', '.join(FORMATS)}") from None
+
+
+def div_scalar(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """t / divisor, correctly rounded on every device. torch's CUDA division by a Python (CPU)
+    scalar multiplies by fl(1/divisor) instead ("may lose one bit of precision":
+    aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu, pytorch v2.11.0), so `amax / 448` differs
+    by an ulp between CPU and CUDA for some amax; a divisor tensor on t's device takes the true
+    division on both, as the Triton kernels' div_rn does. (modelopt calibrating on a GPU gets the
+    reciprocal product: at most one ulp of a scale, which a checkpoint carries as data.)"""
+    return t / torch.full((), divisor, dtype=t.dtype, device=t.device)
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:

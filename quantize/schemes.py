@@ -24,6 +24,7 @@ from .formats import (
     E8M0_BIAS,
     decode_codes,
     decode_packed,
+    div_scalar,
     e8m0_decode,
     e8m0_from_exponent,
     encode_codes,
@@ -101,7 +102,7 @@ def _encode_fp8(x: torch.Tensor, spec: CodecSpec, global_scale: torch.Tensor | N
     else:
         amax = _fp8_amax(x, spec)
         # An all-zero region has no scale to speak of; 1.0 keeps the division finite.
-        scale = torch.where(amax > 0, amax / fmt.max_finite, torch.ones_like(amax))
+        scale = torch.where(amax > 0, div_scalar(amax, fmt.max_finite), torch.ones_like(amax))
     full = _fp8_expand(scale, x.shape, spec)
     if spec.scale_apply == "divide_in_input_dtype":
         y = x / full  # modelopt: a 0-dim FP32 scale keeps a BF16 weight in BF16
@@ -133,11 +134,11 @@ def _mx_exponent(amax: torch.Tensor, rule: MXScaleRule) -> torch.Tensor:
         _, e = torch.frexp(amax)  # amax = m · 2^e, m in [0.5, 1): floor(log2 amax) = e − 1
         exp = e.to(torch.int32) - 1 - emax
     elif rule == "rceil":
-        descale = amax / E2M1_MAX
+        descale = div_scalar(amax, E2M1_MAX)
         m, e = torch.frexp(descale)  # ceil(log2 descale) = e − 1 when descale is a power of 2
         exp = e.to(torch.int32) - (m == 0.5).to(torch.int32)
     else:  # modelopt 0.47: ceil(float32 log2(amax / 6)), floored at −127
-        descale = amax / E2M1_MAX
+        descale = div_scalar(amax, E2M1_MAX)
         exp = torch.ceil(torch.clamp(torch.log2(descale), min=-float(E8M0_BIAS))).to(torch.int32)
     exp = torch.where(zero, torch.full_like(exp, -E8M0_BIAS), exp)
     return torch.clamp(exp, -E8M0_BIAS, E8M0_BIAS)
@@ -168,7 +169,7 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     An all-zero tensor would get 0 and then 0/0 block scales (modelopt 0.47 writes NaN scales and
     code 7 there); we store 1.0 instead, so all-zero tensors round-trip to zeros.
     """
-    s2 = x.abs().amax().float() / NVFP4_GLOBAL_DIVISOR
+    s2 = div_scalar(x.abs().amax().float(), NVFP4_GLOBAL_DIVISOR)
     return torch.where(s2 > 0, s2, torch.ones_like(s2))
 
 

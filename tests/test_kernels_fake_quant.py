@@ -148,3 +148,59 @@ def test_gemm_models_differ_and_bf16_inputs_agree():
     with pytest.raises(KernelError, match="mma_k a power of two"):
         accumulate_gemm_triton(a, b, Accumulation(name="y", acc_mbits=10, promote_every=None,
                                                   mma_k=8))
+
+
+def test_reference_scales_are_correctly_rounded_divisions():
+    """Every scale the reference derives from an amax by a constant (per-tensor and per-row FP8
+    amax / 448, MX RCEIL amax / 6, NVFP4 amax / 2688) is the correctly rounded FP32 quotient, as
+    the kernel's div_rn is, on every device: torch's CUDA `tensor / python_float` is a multiply by
+    fl(1/d), which differs by an ulp for many amax (below: the amax where it does, checked
+    against float64)."""
+    from mismatch.quantize.formats import div_scalar
+    from mismatch.quantize.schemes import NVFP4_GLOBAL_DIVISOR, nvfp4_global_scale
+
+    g = torch.Generator().manual_seed(7)
+    amax = (torch.rand(20000, generator=g) * 2.0 ** torch.randint(-20, 20, (20000,),
+                                                                  generator=g)).float()
+    for d in (448.0, 6.0, NVFP4_GLOBAL_DIVISOR):
+        exact = (amax.double() / d).float()  # one rounding of the exact quotient
+        recip = amax * torch.tensor(1.0 / d, dtype=torch.float32)  # CUDA's scalar path
+        assert int((recip != exact).sum()) > 0, d  # the two paths do differ on these amax
+        assert torch.equal(div_scalar(amax, d), exact), d
+    rows = amax[:4096].reshape(64, 64)
+    q = fake_quant_torch(rows, "fp8-channel")
+    scale = (rows.abs().amax(-1, keepdim=True).double() / 448.0).float()
+    assert torch.equal(q, fake_quant_torch(rows / scale, "fp8-act",
+                                           global_scale=torch.ones(1)) * scale)
+    assert torch.equal(nvfp4_global_scale(amax), (amax.max().double() / 2688.0).float())
+
+
+@pytest.mark.gpu
+def test_kernels_are_bit_exact_on_cuda(tmp_path):
+    """On a CUDA device every fake-quant codec's compiled kernel equals the reference in bits on
+    [2048 x 8192] FP32 inputs spanning six decades (a fresh process: TRITON_INTERPRET unset)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch\n"
+        "from mismatch.kernels import KERNEL_CODECS, fake_quant_torch, fake_quant_triton\n"
+        "g = torch.Generator(device='cuda').manual_seed(1)\n"
+        "x = torch.randn(2048, 8192, device='cuda', generator=g) * torch.logspace("
+        "-3, 3, 8192, device='cuda')\n"
+        "bad = []\n"
+        "for codec in KERNEL_CODECS:\n"
+        "    s = torch.tensor(0.05, device='cuda') if codec in ('fp8-act', 'nvfp4-act') "
+        "else None\n"
+        "    a = fake_quant_triton(x, codec, global_scale=s).view(torch.int32)\n"
+        "    b = fake_quant_torch(x, codec, global_scale=s).view(torch.int32)\n"
+        "    n = int((a != b).sum())\n"
+        "    print(codec, n)\n"
+        "    bad += [codec] if n else []\n"
+        "raise SystemExit(1 if bad else 0)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from mismatch.quantize import encode, get_codec
 from mismatch.quantize.accumulate import KSlices, resolve
-from mismatch.quantize.formats import E4M3_MAX
+from mismatch.quantize.formats import E4M3_MAX, div_scalar
 
 from ..kernels import accumulate_gemm, fake_quant
 from ..kernels.bf16_gemm import bf16_module_gemms
@@ -235,7 +235,7 @@ def calibrate(model: torch.nn.Module, spec: NumericsSpec, batches) -> dict[str, 
             model(input_ids=input_ids, attention_mask=attention_mask)
     # a per-tensor scale maps amax to the codec's range; block-scaled codecs ignore it
     divisor = get_codec(spec.activation_codec).scale_divisor or 1.0
-    return {k: torch.where(v > 0, v / divisor, torch.ones_like(v)) for k, v in amax.items()}
+    return {k: torch.where(v > 0, div_scalar(v, divisor), torch.ones_like(v)) for k, v in amax.items()}
 
 
 @contextlib.contextmanager

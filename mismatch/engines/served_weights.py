@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from mismatch.quantize import QTensor, decode, encode, get_codec
 from mismatch.quantize.accumulate import KSlices, resolve
+from mismatch.quantize.formats import div_scalar
 from mismatch.quantize.loader import requantize_fp8
 
 from ..profiles import NumericsSpec
@@ -102,7 +103,7 @@ def serve_weights(group: str, members: list[tuple[str, torch.Tensor]],
     spec = get_codec(codec)
     if spec.scheme == "nvfp4":  # the fused global scale: the group's amax / (6 · 448)
         amax = torch.stack([w.abs().amax().float() for w in weights]).max()
-        shared = torch.where(amax > 0, amax / spec.scale_divisor, torch.ones_like(amax))
+        shared = torch.where(amax > 0, div_scalar(amax, spec.scale_divisor), torch.ones_like(amax))
         return [encode(w, codec, global_scale=shared) for w in weights]
     if spec.block_rows > 1:  # 2-D blocks: zero-pad to whole blocks (decode crops them again)
         rows, cols = spec.block_rows, spec.block

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from mismatch.quantize.codecs import check_input, fake_quant as _reference, get_codec
+from mismatch.quantize.formats import div_scalar
 from mismatch.quantize.schemes import nvfp4_global_scale
 
 from .runtime import KernelError, use_triton
@@ -69,7 +70,7 @@ def _scale_for(x: torch.Tensor, codec: str, global_scale: torch.Tensor | None) -
         return nvfp4_global_scale(x).reshape(1)
     if spec.scale_divisor is not None:  # per-tensor FP8: amax / 448
         amax = x.abs().amax().float()
-        return torch.where(amax > 0, amax / spec.scale_divisor, torch.ones_like(amax)).reshape(1)
+        return torch.where(amax > 0, div_scalar(amax, spec.scale_divisor), torch.ones_like(amax)).reshape(1)
     return torch.ones(1, device=x.device)
 
 
