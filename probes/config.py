@@ -8,8 +8,11 @@ probe owns (each in the probe's module, checked there): `sampling`, `staleness` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
+
+from mismatch.profiles import NumericsSpec, resolve, trainer_spec
 
 from .errors import ProbeError
 from .retokenization import RetokenizationConfig
@@ -106,6 +109,26 @@ class ProbeConfig:
         if self.trainer_kernels not in TRAINER_KERNELS:
             raise ProbeError(f"unknown --trainer-kernels {self.trainer_kernels!r}; valid: "
                              f"{', '.join(TRAINER_KERNELS)}")
+
+    @cached_property
+    def sampler_numerics(self) -> NumericsSpec:
+        """The sampler's configuration: `gpu` × `dtype` × `kv_cache` with its side's LM head,
+        resolved once per config (ProfileError for an unknown or impossible combination)."""
+        return replace(resolve(self.gpu, self.dtype, self.kv_cache),
+                       lm_head=self.head_on("sampler"))
+
+    @cached_property
+    def trainer_numerics(self) -> NumericsSpec:
+        """The trainer's configuration (`trainer_dtype`, its side's LM head), resolved once."""
+        return trainer_spec(self.trainer_dtype, self.head_on("trainer"))
+
+    @cached_property
+    def trainer_gpu_numerics(self) -> NumericsSpec | None:
+        """`trainer_dtype` served on `trainer_gpu` (the ladder's first rungs), resolved once;
+        None for the FP32 reference, which no GPU serves."""
+        if self.trainer_dtype == "fp32":
+            return None
+        return resolve(self.trainer_gpu, self.trainer_dtype)
 
     def head_on(self, side: str) -> str:
         """The LM head's precision on `side` ("trainer" | "sampler")."""

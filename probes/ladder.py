@@ -53,7 +53,7 @@ class LadderProbe(PairedProbe):
 
     def __init__(self, ctx: ProbeContext) -> None:
         # the rungs are sampler deployments: they carry the sampler side's LM head
-        trainer_on_gpu = ctx.as_sampler(resolve(ctx.cfg.trainer_gpu, ctx.trainer.dtype))
+        trainer_on_gpu = ctx.as_sampler(ctx.cfg.trainer_gpu_numerics)
         formats = checkpoint_on_trainer_gpu(ctx)
         self.formats = formats
         l0 = Variant(spec=trainer_on_gpu, attention=True, path="decode")

@@ -62,7 +62,7 @@ def batch(ctx):
 
 def test_replayed_decode_equals_the_sampled_rollout(ctx, batch):
     """Feeding the sampled tokens back through the same decode path reproduces every log-prob."""
-    again = ctx._evaluate(ctx.sampler, batch)
+    again = ctx.evaluator._evaluate(ctx.sampler, batch)
     sampled = batch.cache[ctx.sampler.key()]
     assert torch.equal(again.logprobs, sampled.logprobs)
     assert torch.equal(again.full, sampled.full)
@@ -74,7 +74,7 @@ def test_identical_configurations_give_exactly_zero(ctx, batch, variant):
     v = {"sampler": ctx.sampler, "reference": ctx.reference,
          "alone": Variant(spec=ctx.trainer, alone=True)}[variant]
     tally = Tally()
-    tally.add(ctx._evaluate(v, batch), ctx.evaluate(v, batch), batch.mask)
+    tally.add(ctx.evaluator._evaluate(v, batch), ctx.evaluate(v, batch), batch.mask)
     s = tally.summary()
     assert s["tokens"] > 0
     assert s["kl_exact"] == 0 and s["kl_k3"] == 0 and s["abs_logprob_diff_max"] == 0
@@ -148,7 +148,7 @@ def test_batch_composition_is_seen_in_mixed_batches(ctx, batch):
 
 def test_split_k_of_one_is_the_reference(ctx, batch):
     tally = Tally()
-    tally.add(ctx._evaluate(Variant(spec=with_spec(ctx.trainer, split_k=1)), batch),
+    tally.add(ctx.evaluator._evaluate(Variant(spec=with_spec(ctx.trainer, split_k=1)), batch),
               ctx.evaluate(ctx.reference, batch), batch.mask)
     assert tally.summary()["abs_logprob_diff_max"] == 0
 
@@ -168,8 +168,8 @@ def test_routing_replay_removes_the_routing_term(ctx, batch):
     assert bool(ok.all())  # still k distinct experts
     forged = type(batch)(index=99, prompts=batch.prompts, rollout=batch.rollout, mask=batch.mask)
     forged.rollout = type(batch.rollout)(**{**batch.rollout.__dict__, "routed_experts": routing})
-    without = ctx._evaluate(Variant(spec=ctx.trainer, replay=False), forged)
-    replayed = ctx._evaluate(Variant(spec=ctx.trainer, replay=True), forged)
+    without = ctx.evaluator._evaluate(Variant(spec=ctx.trainer, replay=False), forged)
+    replayed = ctx.evaluator._evaluate(Variant(spec=ctx.trainer, replay=True), forged)
     real = batch.rollout.attention_mask
     # what replay changes: the experts (the sampler's instead of the trainer's own) ...
     _, flips_without, n = routing_flips(routing, without.routing, real)

@@ -46,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from mismatch.profiles import check_local_gpu, local_gpu, resolve, trainer_spec
+from mismatch.profiles import check_local_gpu, local_gpu, trainer_spec
 from mismatch.probes.base import Variant
 from mismatch.probes.config import ProbeConfig
 from mismatch.probes.context import ProbeContext
@@ -103,7 +103,7 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
     """Run the probe; `progress(done, total)` is called after each batch."""
     from mismatch.engines.te import check_te
 
-    spec = resolve(cfg.gpu, cfg.dtype, cfg.kv_cache)
+    spec = cfg.sampler_numerics
     measured = check_local_gpu(spec.gpu, local_gpu(), cfg.emulate)
     check_te(cfg.trainer_kernels)
     ctx = ProbeContext(cfg, None if progress is None else lambda _label, d, t: progress(d, t),

@@ -79,15 +79,9 @@ def probe_command(
     quiet_libraries()
 
     from mismatch.app.probe import ProbeConfig, run_probe
-    from mismatch.profiles import resolve, trainer_spec
     from mismatch.app.report import format_table, write_probe_outputs
 
     try:
-        resolve(gpu, dtype, kv_cache)  # fail fast, before loading anything
-        if trainer_dtype.lower() != "fp32":
-            resolve(trainer_gpu, trainer_dtype)
-        else:
-            trainer_spec(trainer_dtype)
         from mismatch.probes import parse_sources
         from mismatch.probes.sampling import SamplingConfig
         from mismatch.probes.staleness import StalenessConfig
@@ -106,6 +100,8 @@ def probe_command(
                           ci_target=ci_target,
                           max_prompts=max(max_prompts, n_prompts), emulate=emulate,
                           trainer_kernels=trainer_kernels.lower())
+        # fail fast, before loading anything: the config resolves each side once, for the run
+        cfg.sampler_numerics, cfg.trainer_gpu_numerics, cfg.trainer_numerics
         # the quick probe checks the local GPU and --trainer-kernels before it loads anything
         if (cfg.sources or cfg.ladder) and cfg.trainer_kernels != "torch":
             raise ValueError("--trainer-kernels applies to the quick probe; the source probes "
