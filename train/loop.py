@@ -125,36 +125,37 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
         backend.close()
 
 
-def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, model, tokenizer,
-         progress, log_alerts, monitor_config) -> RunResult:
-    from mismatch.probes.monitor import CollapseMonitor, JsonlSink, MonitorConfig, TerminalSink
-
+def _restore(cfg: TrainConfig, out: Path, ckpt: Path | None, trainer):
+    """Load `ckpt` into `trainer` and cut the logs back to it (or note a run that stopped before
+    its first checkpoint). Returns (step, next unit, units discarded, kept log, state)."""
     metrics_path, alerts_path = out / "metrics.jsonl", out / "alerts.jsonl"
-    trainer = backend.trainer(model, cfg)
-    step, next_unit, discarded = 0, 0, 0
-    history: list[dict[str, Any]] = []
-    if ckpt is None and restart_logs(out):
-        log.warning("%s holds a run stopped before its first checkpoint: starting it over", out)
-    if ckpt is not None:
-        try:
-            state = torch.load(ckpt / "state.pt", weights_only=False)
-        except Exception as exc:  # a checkpoint that cannot be read is bad input, not a bug
-            raise ValueError(f"checkpoint {ckpt} is unreadable ({type(exc).__name__}); delete "
-                             "it to resume from the one before") from exc
-        check_resume(cfg, state["config"])
-        trainer.load(state)
-        step, next_unit = int(state["step"]), int(state["next_unit"])
-        before = read_metrics(metrics_path)
-        claimed = max((r.get("units_claimed", 0) for r in before), default=next_unit)
-        discarded = max(0, claimed - next_unit)
-        history = cut_jsonl(metrics_path, step)
-        cut_jsonl(alerts_path, step)
-        log.warning("resuming %s at step %d: %d later step(s) of the log dropped; %d unit(s) "
-                    "(%d episodes) claimed after the checkpoint are discarded and regenerated",
-                    out, step, len(before) - len(history), discarded,
-                    discarded * cfg.samples_per_prompt)
-    write_json(out / "config.json", asdict(cfg))
+    if ckpt is None:
+        if restart_logs(out):
+            log.warning("%s holds a run stopped before its first checkpoint: starting it over",
+                        out)
+        return 0, 0, 0, [], {}
+    try:
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+    except Exception as exc:  # a checkpoint that cannot be read is bad input, not a bug
+        raise ValueError(f"checkpoint {ckpt} is unreadable ({type(exc).__name__}); delete "
+                         "it to resume from the one before") from exc
+    check_resume(cfg, state["config"])
+    trainer.load(state)
+    step, next_unit = int(state["step"]), int(state["next_unit"])
+    before = read_metrics(metrics_path)
+    claimed = max((r.get("units_claimed", 0) for r in before), default=next_unit)
+    discarded = max(0, claimed - next_unit)
+    history = cut_jsonl(metrics_path, step)
+    cut_jsonl(alerts_path, step)
+    log.warning("resuming %s at step %d: %d later step(s) of the log dropped; %d unit(s) "
+                "(%d episodes) claimed after the checkpoint are discarded and regenerated",
+                out, step, len(before) - len(history), discarded,
+                discarded * cfg.samples_per_prompt)
+    return step, next_unit, discarded, history, state
 
+
+def _base_evaluation(cfg: TrainConfig, out: Path, trainer, tokenizer) -> dict[str, Any]:
+    """eval.json as far as it goes, with the base policy evaluated where it is not yet."""
     eval_path = out / "eval.json"
     evaluation = json.loads(eval_path.read_text()) if eval_path.exists() else {}
     if cfg.eval_tasks and "base" not in evaluation:
@@ -163,16 +164,51 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
         evaluation = {"tasks": cfg.eval_tasks, "samples": cfg.eval_samples}
         evaluate_into(evaluation, "base", trainer.policy(), tokenizer, cfg)
         write_json(eval_path, evaluation)
+    return evaluation
 
-    groups = run_fleet(cfg)
-    cost_per_token = {g.name: g.cost_per_token for g in groups if g.cost_per_token is not None}
+
+def _monitor(cfg: TrainConfig, monitor_config, history: list[dict[str, Any]],
+             alerts_path: Path, log_alerts: bool):
+    """The collapse monitor, its baselines and debouncing rebuilt from the kept log, then its
+    sinks attached (so the replay writes no alert twice)."""
+    from mismatch.probes.monitor import CollapseMonitor, JsonlSink, MonitorConfig, TerminalSink
+
     monitor = CollapseMonitor(monitor_config or MonitorConfig(masked_loss=cfg.masks_tokens))
-    for rec in history:  # rebuild baselines and debouncing state from the kept log
+    for rec in history:
         monitor.update(rec)
     monitor.sinks = [JsonlSink(alerts_path)] + ([TerminalSink()] if log_alerts else [])
-    older = state.get("older_versions") if ckpt is not None else None
-    publisher = Publisher(step, trainer.published(), keep=cfg.lag,
-                          history={v: backend.put(w) for v, w in (older or {}).items()})
+    return monitor
+
+
+def _take_units(pipe, cfg: TrainConfig, step: int) -> tuple[list[Unit], int]:
+    """The step's `prompts_per_step` units in claim order, dropping those staler than the bound;
+    returns them and how many were dropped."""
+    units: list[Unit] = []
+    stale_dropped = 0
+    while len(units) < cfg.prompts_per_step:
+        unit = pipe.take()
+        bound = cfg.staleness_bound
+        if bound is not None and step - unit.version > bound:
+            stale_dropped += 1
+            continue
+        units.append(unit)
+    units.sort(key=lambda x: x.index)
+    return units, stale_dropped
+
+
+def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, model, tokenizer,
+         progress, log_alerts, monitor_config) -> RunResult:
+    metrics_path, alerts_path, eval_path = (out / n for n in ("metrics.jsonl", "alerts.jsonl",
+                                                               "eval.json"))
+    trainer = backend.trainer(model, cfg)
+    step, next_unit, discarded, history, state = _restore(cfg, out, ckpt, trainer)
+    write_json(out / "config.json", asdict(cfg))
+    evaluation = _base_evaluation(cfg, out, trainer, tokenizer)
+    groups = run_fleet(cfg)
+    cost_per_token = {g.name: g.cost_per_token for g in groups if g.cost_per_token is not None}
+    monitor = _monitor(cfg, monitor_config, history, alerts_path, log_alerts)
+    publisher = Publisher(step, trainer.published(), keep=cfg.lag, history={
+        v: backend.put(w) for v, w in (state.get("older_versions") or {}).items()})
     pipe = backend.pipeline(cfg, groups, model, tokenizer, publisher, next_unit)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     result = RunResult(out=out, steps_done=step, resumed_from=step if ckpt else None,
@@ -182,21 +218,14 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
     pipe.start()
     try:
         with open(metrics_path, "a") as mfile:
+            steplog = _StepLog(mfile, monitor, result, progress, backend.name,
+                               cost_per_token, discarded)
             last_ckpt = step
             while step < cfg.steps:
                 t0 = time.perf_counter()
-                units: list[Unit] = []
-                stale_dropped = 0
-                while len(units) < cfg.prompts_per_step:
-                    unit = pipe.take()
-                    bound = cfg.staleness_bound
-                    if bound is not None and step - unit.version > bound:
-                        stale_dropped += 1
-                        continue
-                    units.append(unit)
+                units, stale_dropped = _take_units(pipe, cfg, step)
                 waited = time.perf_counter() - t0
                 depth = pipe.results.qsize()
-                units.sort(key=lambda x: x.index)
                 t1 = time.perf_counter()
                 batch = build_batch(units, step, pad_id)
                 m = trainer.step(batch)
@@ -207,34 +236,16 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
                 pipe.notify(consumed=consumed_total)
                 train_s = time.perf_counter() - t1
                 wall = time.perf_counter() - t0
-                first_resumed = result.resumed_from is not None and \
-                    step == result.resumed_from + 1
-                rec = StepRecord.of(step, units, batch, m, waited=waited, train_s=train_s,
-                                    wall=wall, stale_dropped=stale_dropped, claimed=pipe.cursor,
-                                    queue_depth=depth, backend=backend.name, faults=pipe.faults,
-                                    resumed_discarded_units=discarded if first_resumed
-                                    else None, cost_per_token=cost_per_token).to_json()
-                mfile.write(json.dumps(rec) + "\n")
-                mfile.flush()
-                alerts = monitor.update(rec)  # also written to the alert file and the log
-                result.alerts.extend(alerts)
-                if progress:
-                    progress(rec)
-                stop_now = stop_on is not None and any(
-                    a.severity == "critical" or stop_on == "warning" for a in alerts)
-                if (cfg.eval_tasks and cfg.eval_every and step % cfg.eval_every == 0
-                        and step < cfg.steps and str(step) not in evaluation.get("during", {})):
-                    log.info("evaluating the policy at step %d", step)
-                    evaluate_into(evaluation, str(step), trainer.policy(), tokenizer, cfg,
-                                  step=step)
-                    write_json(eval_path, evaluation)
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop_now:
+                alerts = steplog.write(step, units, batch, m, pipe, waited=waited,
+                                       train_s=train_s, wall=wall, stale_dropped=stale_dropped,
+                                       queue_depth=depth)
+                stopped = _stop_reason(alerts, stop_on)
+                _evaluate_during(cfg, step, evaluation, trainer, tokenizer, eval_path)
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopped:
                     trainer.save(out, step, consumed_max + 1, publisher.older())
                     last_ckpt = step
-                if stop_now:
-                    worst = max(alerts, key=lambda a: a.severity == "critical")
-                    result.stopped = (f"{worst.severity} alert on {worst.signal} at step "
-                                      f"{worst.step}")
+                if stopped:
+                    result.stopped = stopped
                     break
             if last_ckpt != step:
                 trainer.save(out, step, consumed_max + 1, publisher.older())
@@ -242,10 +253,66 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
         pipe.stop()
         monitor.close()
     result.steps_done = step
+    result.evaluation = _evaluate_final(cfg, step, evaluation, trainer, tokenizer, eval_path)
+    save_final(out, trainer.policy(), tokenizer)
+    return result
+
+
+@dataclass
+class _StepLog:
+    """Where each step's record goes: metrics.jsonl, the collapse monitor (which writes the
+    alerts) and the progress bar."""
+
+    file: Any
+    monitor: Any
+    result: RunResult
+    progress: Callable[[dict[str, Any]], None] | None
+    backend: str
+    cost_per_token: dict[str, float]
+    discarded: int
+    """Units claimed after the checkpoint a resumed run starts from (logged on its first step)."""
+
+    def write(self, step: int, units: list[Unit], batch, m, pipe, **figures) -> list:
+        """Log step `step`; returns the monitor's alerts on it."""
+        resumed = self.result.resumed_from
+        first = resumed is not None and step == resumed + 1
+        rec = StepRecord.of(step, units, batch, m, claimed=pipe.cursor, backend=self.backend,
+                            faults=pipe.faults,
+                            resumed_discarded_units=self.discarded if first else None,
+                            cost_per_token=self.cost_per_token, **figures).to_json()
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        alerts = self.monitor.update(rec)  # also written to the alert file and the log
+        self.result.alerts.extend(alerts)
+        if self.progress:
+            self.progress(rec)
+        return alerts
+
+
+def _stop_reason(alerts: list, stop_on: str | None) -> str | None:
+    """--stop-on: the alert that ends the run, in words (None: the run goes on)."""
+    if stop_on is None or not any(a.severity == "critical" or stop_on == "warning"
+                                  for a in alerts):
+        return None
+    worst = max(alerts, key=lambda a: a.severity == "critical")
+    return f"{worst.severity} alert on {worst.signal} at step {worst.step}"
+
+
+def _evaluate_final(cfg: TrainConfig, step: int, evaluation: dict[str, Any], trainer, tokenizer,
+                    eval_path: Path) -> dict[str, Any]:
+    """The trained policy on the held-out tasks (where the run evaluates): eval.json's "final"."""
     if cfg.eval_tasks:
         log.info("evaluating the trained policy (step %d)", step)
         evaluate_into(evaluation, "final", trainer.policy(), tokenizer, cfg, step=step)
         write_json(eval_path, evaluation)
-    result.evaluation = evaluation
-    save_final(out, trainer.policy(), tokenizer)
-    return result
+    return evaluation
+
+
+def _evaluate_during(cfg: TrainConfig, step: int, evaluation: dict[str, Any], trainer,
+                     tokenizer, eval_path: Path) -> None:
+    """--eval-every: the held-out tasks at this step, unless done (a resumed run) or final."""
+    if (cfg.eval_tasks and cfg.eval_every and step % cfg.eval_every == 0
+            and step < cfg.steps and str(step) not in evaluation.get("during", {})):
+        log.info("evaluating the policy at step %d", step)
+        evaluate_into(evaluation, str(step), trainer.policy(), tokenizer, cfg, step=step)
+        write_json(eval_path, evaluation)

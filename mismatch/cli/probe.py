@@ -4,78 +4,93 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from mismatch.cli.common import fail, quiet_libraries, run_with_bars
 
+_P_GPU = Annotated[str, typer.Option("--gpu", help="Sampler GPU: a100, h100, h200, b200, b300, "
+    "rtx-pro-6000.")]
+_P_DTYPE = Annotated[str, typer.Option("--dtype", help="Sampler precision: bf16, fp16, fp8, "
+    "w4a16-nvfp4, nvfp4, mxfp4.")]
+_P_KV_CACHE = Annotated[str | None, typer.Option("--kv-cache", help="KV cache: bf16 or fp8 "
+    "(default: the compute dtype).")]
+_P_TRAINER_DTYPE = Annotated[str, typer.Option("--trainer-dtype", help="Trainer side: bf16, "
+    "fp16 or fp32 (a reference; the quick probe only).")]
+_P_LM_HEAD = Annotated[str, typer.Option("--lm-head", help="The LM head's precision: compute "
+    "(the side's dtype, logits rounded to it) or fp32 (inputs, weights and logits in FP32: "
+    "MiniMax-M1's mitigation).")]
+_P_LM_HEAD_SIDE = Annotated[str, typer.Option("--lm-head-side", help="Where --lm-head applies: "
+    "trainer, sampler or both.")]
+_P_FP32_REFERENCE = Annotated[bool, typer.Option("--fp32-reference", help="Also score the "
+    "tokens with an FP32 model: two more columns, the sampler and the trainer each against "
+    "FP32 (the quick probe).")]
+_P_MODEL = Annotated[Path | None, typer.Option("--model", help="Hugging Face model directory "
+    "(default: the embedded model).")]
+_P_PROMPTS = Annotated[Path | None, typer.Option("--prompts", help="JSONL prompts: {\"messages\": "
+    "[...]} or {\"prompt\": \"...\"} per line.")]
+_P_N_PROMPTS = Annotated[int, typer.Option("--n-prompts", help="Prompts to sample (held-out "
+    "tasks).")]
+_P_MAX_NEW_TOKENS = Annotated[int, typer.Option("--max-new-tokens", help="Completion length cap.")]
+_P_BATCH_SIZE = Annotated[int, typer.Option("--batch-size", help="Sequences per batch.")]
+_P_SEED = Annotated[int, typer.Option("--seed", help="Sampling seed.")]
+_P_THREADS = Annotated[int | None, typer.Option("--threads", help="torch threads (default: 1 "
+    "for small models, else torch's default).")]
+_P_OUT = Annotated[Path | None, typer.Option("--out", help="Write results.json, report.md and "
+    "plots here (default: runs/probe-<gpu>-<dtype>). A folder holding anything but an earlier "
+    "probe is refused.")]
+_P_FORCE = Annotated[bool, typer.Option("--force", help="Replace --out whatever it holds.")]
+_P_AS_JSON = Annotated[bool, typer.Option("--json", help="Print one JSON object to stdout.")]
+_P_SOURCES = Annotated[str | None, typer.Option("--sources", help="Break the mismatch down by "
+    "source: a comma list of kernels, precision, accelerator, routing, staleness, "
+    "retokenization, sampling, or all.")]
+_P_LADDER = Annotated[bool, typer.Option("--ladder", help="Add the sources one at a time "
+    "(kernels -> + precision -> + accelerator) and attribute the total.")]
+_P_TRAINER_GPU = Annotated[str, typer.Option("--trainer-gpu", help="The trainer's GPU (the "
+    "ladder's first rungs run there).")]
+_P_SUBSET_PROMPTS = Annotated[int, typer.Option("--subset-prompts", help="Prompts for the "
+    "per-GPU, fleet and sampling probes.")]
+_P_FLEET_SHARES = Annotated[str | None, typer.Option("--fleet-shares", help="Capacity shares of "
+    "the fleet's groups, e.g. b200-nvfp4=2,h100-fp8=1 (unlisted groups 0; default: equal "
+    "shares).")]
+_P_TOP_P = Annotated[float, typer.Option("--top-p", help="Top-p of the sampling probe's sampler.")]
+_P_STALENESS_MAX_LAG = Annotated[int, typer.Option("--staleness-max-lag",
+    help="Largest staleness (optimizer steps) the staleness probe measures.")]
+_P_STALENESS_LR = Annotated[float, typer.Option("--staleness-lr", help="AdamW learning rate of "
+    "the staleness probe's policy-gradient steps.")]
+_P_STALENESS_CHECKPOINTS = Annotated[Path | None, typer.Option("--staleness-checkpoints",
+    help="Directory of your checkpoints in training order (subdirectories), instead of "
+    "generated steps.")]
+_P_CI_TARGET = Annotated[float, typer.Option("--ci-target", help="With --sources: keep drawing "
+    "held-out prompts until every headline KL's 95% half-width is under this fraction of its "
+    "value, e.g. 0.2 (0: off).")]
+_P_MAX_PROMPTS = Annotated[int, typer.Option("--max-prompts", help="Cap on the prompts "
+    "--ci-target may draw.")]
+_P_EMULATE = Annotated[bool, typer.Option("--emulate", help="On a CUDA machine whose GPU is not "
+    "--gpu: emulate --gpu there (without it that is an error; with --gpu the local GPU, the "
+    "sampler is measured).")]
+_P_TRAINER_KERNELS = Annotated[str, typer.Option("--trainer-kernels", help="Trainer-side linear "
+    "layers: torch (reference), or transformer-engine on a CUDA GPU: te (BF16), te-fp8, "
+    "te-mxfp8, te-nvfp4.")]
+
+
 def probe_command(
-    gpu: str = typer.Option(..., "--gpu", help="Sampler GPU: a100, h100, h200, b200, b300, "
-                            "rtx-pro-6000."),
-    dtype: str = typer.Option(..., "--dtype", help="Sampler precision: bf16, fp16, fp8, "
-                              "w4a16-nvfp4, nvfp4, mxfp4."),
-    kv_cache: str | None = typer.Option(None, "--kv-cache", help="KV cache: bf16 or fp8 "
-                                        "(default: the compute dtype)."),
-    trainer_dtype: str = typer.Option("bf16", "--trainer-dtype", help="Trainer side: bf16, fp16 "
-                                      "or fp32 (a reference; the quick probe only)."),
-    lm_head: str = typer.Option("compute", "--lm-head", help="The LM head's precision: compute "
-                                "(the side's dtype, logits rounded to it) or fp32 (inputs, "
-                                "weights and logits in FP32: MiniMax-M1's mitigation)."),
-    lm_head_side: str = typer.Option("both", "--lm-head-side", help="Where --lm-head applies: "
-                                     "trainer, sampler or both."),
-    fp32_reference: bool = typer.Option(False, "--fp32-reference", help="Also score the tokens "
-                                        "with an FP32 model: two more columns, the sampler and "
-                                        "the trainer each against FP32 (the quick probe)."),
-    model: Path | None = typer.Option(None, "--model", help="Hugging Face model directory "
-                                      "(default: the embedded model)."),
-    prompts: Path | None = typer.Option(None, "--prompts", help="JSONL prompts: "
-                                        "{\"messages\": [...]} or {\"prompt\": \"...\"} per line."),
-    n_prompts: int = typer.Option(512, "--n-prompts", help="Prompts to sample (held-out tasks)."),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens", help="Completion length cap."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Sequences per batch."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
-    threads: int | None = typer.Option(None, "--threads", help="torch threads (default: 1 for "
-                                       "small models, else torch's default)."),
-    out: Path | None = typer.Option(None, "--out", help="Write results.json, report.md and "
-                                    "plots here (default: runs/probe-<gpu>-<dtype>). A "
-                                    "folder holding anything but an earlier probe is refused."),
-    force: bool = typer.Option(False, "--force", help="Replace --out whatever it holds."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object to stdout."),
-    sources: str | None = typer.Option(
-        None, "--sources", help="Break the mismatch down by source: a comma list of kernels, "
-        "precision, accelerator, routing, staleness, retokenization, sampling, or all."),
-    ladder: bool = typer.Option(False, "--ladder", help="Add the sources one at a time "
-                                "(kernels -> + precision -> + accelerator) and attribute the "
-                                "total."),
-    trainer_gpu: str = typer.Option("b200", "--trainer-gpu", help="The trainer's GPU (the "
-                                    "ladder's first rungs run there)."),
-    subset_prompts: int = typer.Option(128, "--subset-prompts", help="Prompts for the "
-                                       "per-GPU, fleet and sampling probes."),
-    fleet_shares: str | None = typer.Option(
-        None, "--fleet-shares", help="Capacity shares of the fleet's groups, e.g. "
-        "b200-nvfp4=2,h100-fp8=1 (unlisted groups 0; default: equal shares)."),
-    top_p: float = typer.Option(0.9, "--top-p", help="Top-p of the sampling probe's sampler."),
-    staleness_max_lag: int = typer.Option(8, "--staleness-max-lag", help="Largest staleness "
-                                          "(optimizer steps) the staleness probe measures."),
-    staleness_lr: float = typer.Option(1e-4, "--staleness-lr", help="AdamW learning rate of "
-                                       "the staleness probe's policy-gradient steps."),
-    staleness_checkpoints: Path | None = typer.Option(
-        None, "--staleness-checkpoints", help="Directory of your checkpoints in training order "
-        "(subdirectories), instead of generated steps."),
-    ci_target: float = typer.Option(0.0, "--ci-target", help="With --sources: keep drawing "
-                                    "held-out prompts until every headline KL's 95% half-width "
-                                    "is under this fraction of its value, e.g. 0.2 (0: off)."),
-    max_prompts: int = typer.Option(4096, "--max-prompts", help="Cap on the prompts "
-                                    "--ci-target may draw."),
-    emulate: bool = typer.Option(False, "--emulate", help="On a CUDA machine whose GPU is not "
-                                 "--gpu: emulate --gpu there (without it that is an error; "
-                                 "with --gpu the local GPU, the sampler is measured)."),
-    trainer_kernels: str = typer.Option("torch", "--trainer-kernels", help="Trainer-side linear "
-                                        "layers: torch (reference), or transformer-engine on a "
-                                        "CUDA GPU: te (BF16), te-fp8, te-mxfp8, te-nvfp4."),
+    gpu: _P_GPU, dtype: _P_DTYPE, kv_cache: _P_KV_CACHE = None,
+    trainer_dtype: _P_TRAINER_DTYPE = "bf16", lm_head: _P_LM_HEAD = "compute",
+    lm_head_side: _P_LM_HEAD_SIDE = "both", fp32_reference: _P_FP32_REFERENCE = False,
+    model: _P_MODEL = None, prompts: _P_PROMPTS = None, n_prompts: _P_N_PROMPTS = 512,
+    max_new_tokens: _P_MAX_NEW_TOKENS = 48, batch_size: _P_BATCH_SIZE = 16, seed: _P_SEED = 0,
+    threads: _P_THREADS = None, out: _P_OUT = None, force: _P_FORCE = False,
+    as_json: _P_AS_JSON = False, sources: _P_SOURCES = None, ladder: _P_LADDER = False,
+    trainer_gpu: _P_TRAINER_GPU = "b200", subset_prompts: _P_SUBSET_PROMPTS = 128,
+    fleet_shares: _P_FLEET_SHARES = None, top_p: _P_TOP_P = 0.9,
+    staleness_max_lag: _P_STALENESS_MAX_LAG = 8, staleness_lr: _P_STALENESS_LR = 1e-4,
+    staleness_checkpoints: _P_STALENESS_CHECKPOINTS = None, ci_target: _P_CI_TARGET = 0.0,
+    max_prompts: _P_MAX_PROMPTS = 4096, emulate: _P_EMULATE = False,
+    trainer_kernels: _P_TRAINER_KERNELS = "torch",
 ) -> None:
     """Measure sampler-trainer log-prob divergence for a GPU x precision, by source."""
-
     quiet_libraries()
 
     from mismatch.app.probe import ProbeConfig, run_probe
@@ -97,19 +112,9 @@ def probe_command(
                           sampling=SamplingConfig(top_p=top_p),
                           staleness=StalenessConfig(max_lag=staleness_max_lag, lr=staleness_lr,
                                                     checkpoints=staleness_checkpoints),
-                          ci_target=ci_target,
-                          max_prompts=max(max_prompts, n_prompts), emulate=emulate,
-                          trainer_kernels=trainer_kernels.lower())
-        # fail fast, before loading anything: the config resolves each side once, for the run
-        cfg.sampler_numerics, cfg.trainer_gpu_numerics, cfg.trainer_numerics
-        # the quick probe checks the local GPU and --trainer-kernels before it loads anything
-        if (cfg.sources or cfg.ladder) and cfg.trainer_kernels != "torch":
-            raise ValueError("--trainer-kernels applies to the quick probe; the source probes "
-                             "(--sources, --ladder) run the reference trainer")
-        if cfg.sources or cfg.ladder:
-            from mismatch.fleets import fleet_groups
-
-            fleet_groups(cfg.fleet_shares)  # bad shares fail before any work
+                          ci_target=ci_target, max_prompts=max(max_prompts, n_prompts),
+                          emulate=emulate, trainer_kernels=trainer_kernels.lower())
+        _check_run(cfg)
         from mismatch.io import check_output_dir
 
         # before any work: an --out that cannot be written, or that holds a user's files
@@ -130,6 +135,20 @@ def probe_command(
     print_probe(result.summary, as_json, f"trainer — {result.summary['mode'].upper()}",
                  format_table, f"{target}/results.json, report.md, log_ratio_hist.png, "
                  f"per_position.png")
+
+
+def _check_run(cfg) -> None:
+    """What can fail before anything loads (ValueError): each side's numerics (the config
+    resolves them once, for the run), --trainer-kernels with the source probes (the quick probe
+    checks the local GPU and the kernels itself), the fleet's shares."""
+    cfg.sampler_numerics, cfg.trainer_gpu_numerics, cfg.trainer_numerics
+    if (cfg.sources or cfg.ladder) and cfg.trainer_kernels != "torch":
+        raise ValueError("--trainer-kernels applies to the quick probe; the source probes "
+                         "(--sources, --ladder) run the reference trainer")
+    if cfg.sources or cfg.ladder:
+        from mismatch.fleets import fleet_groups
+
+        fleet_groups(cfg.fleet_shares)
 
 
 def print_probe(s: dict, as_json: bool, who: str, table, wrote: str) -> None:

@@ -10,7 +10,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -28,56 +28,63 @@ def _csv(value: str, cast=str) -> tuple:
         raise ValueError(f"expected a comma-separated list, got {value!r}") from None
 
 
+_S_OUT = Annotated[Path, typer.Option("--out", help="Study directory: one `mismatch train` run "
+    "per cell, and study.json.")]
+_S_REPORT = Annotated[Optional[Path], typer.Option("--report", help="Markdown report; plots go "
+    "beside it (default: OUT/study.md).")]
+_S_PRESET = Annotated[str, typer.Option("--preset", help=preset_help(STUDY_PRESETS))]
+_S_FLEETS = Annotated[Optional[str], typer.Option("--fleets", help="Comma-separated: L0 "
+    "(homogeneous), L1 (precision), L2 (mixed), or fleet files (.toml, as `mismatch plan` "
+    "writes; runs named by the file's stem).")]
+_S_ARMS = Annotated[Optional[str], typer.Option("--arms", help="Comma-separated among grpo, "
+    "mis, sc, sc+mis, grpo+topp (or topp), sc+mis+topp — the names `mismatch train "
+    "--correction` takes.")]
+_S_SEEDS = Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds (0,1,2).")]
+_S_STALENESS = Annotated[Optional[str], typer.Option("--staleness", help="Comma-separated "
+    "forced staleness values K.")]
+_S_STEPS = Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps per run.")]
+_S_LR = Annotated[Optional[float], typer.Option("--lr", help="AdamW learning rate.")]
+_S_TASKS = Annotated[Optional[str], typer.Option("--tasks", help="Task kinds (arith).")]
+_S_PROMPTS = Annotated[Optional[int], typer.Option("--n-prompts", help="Prompts per step.")]
+_S_PROMPTS_ALIAS = Annotated[Optional[int], typer.Option("--prompts", hidden=True,
+    help="Former name of --n-prompts.")]
+_S_SAMPLES = Annotated[Optional[int], typer.Option("--samples", help="Episodes per prompt.")]
+_S_SYNC_ARMS = Annotated[Optional[str], typer.Option("--sync-arms", help="Comma-separated arms "
+    "also run on-policy (--sync) as controls, on L0 (empty: none).")]
+_S_POLICY_STEPS = Annotated[Optional[int], typer.Option("--policy-steps",
+    help="Start from a zoo policy trained N steps (built once into OUT/policy-N; 0: the "
+    "embedded model).")]
+_S_EVAL_TASKS = Annotated[Optional[int], typer.Option("--eval-tasks", help="Held-out tasks "
+    "evaluated before, midway and after each run.")]
+_S_JOBS = Annotated[int, typer.Option("--jobs", help="Runs at once, each pinned to cores of its "
+    "own (default: the CPU count).")]
+_S_NOTES = Annotated[Optional[Path], typer.Option("--notes", help="A markdown file appended to "
+    "the report (the discussion).")]
+_S_REPORT_ONLY = Annotated[bool, typer.Option("--report-only", help="Aggregate the runs in OUT "
+    "without running anything.")]
+_S_EXPORT = Annotated[Optional[Path], typer.Option("--export", help="Also copy study.json and "
+    "every run's logs (no checkpoints) here, e.g. to commit them; `--report-only --out DIR` "
+    "reads them.")]
+_S_ADOPT = Annotated[Optional[Path], typer.Option("--adopt", help="An --export folder: its runs "
+    "that finished with this grid's settings count as done (their logs are copied into OUT), "
+    "so a new machine resumes the grid from committed logs.")]
+_S_EVAL_FULL_VOCAB = Annotated[bool, typer.Option("--eval-full-vocab", help="Evaluate the base "
+    "and final policy of each finished top-p run that was evaluated only through its nucleus "
+    "(made before `mismatch train` did both) from the full vocabulary too, as the study "
+    "evaluated, into its eval.json.")]
+_S_QUIET = Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")]
+
+
 def study_command(
-    out: Path = typer.Option(Path("runs/study"), "--out", help="Study directory: one "
-                             "`mismatch train` run per cell, and study.json."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Markdown report; plots go "
-                                          "beside it (default: OUT/study.md)."),
-    preset: str = typer.Option("full", "--preset", help=preset_help(STUDY_PRESETS)),
-    fleets: Optional[str] = typer.Option(None, "--fleets", help="Comma-separated: L0 "
-                                         "(homogeneous), L1 (precision), L2 (mixed), or fleet "
-                                         "files (.toml, as `mismatch plan` writes; runs named "
-                                         "by the file's stem)."),
-    arms: Optional[str] = typer.Option(None, "--arms", help="Comma-separated among grpo, mis, "
-                                       "sc, sc+mis, grpo+topp (or topp), sc+mis+topp — the "
-                                       "names `mismatch train --correction` takes."),
-    seeds: Optional[str] = typer.Option(None, "--seeds", help="Comma-separated seeds (0,1,2)."),
-    staleness: Optional[str] = typer.Option(None, "--staleness", help="Comma-separated forced "
-                                            "staleness values K."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps per run."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="Task kinds (arith)."),
-    prompts: Optional[int] = typer.Option(None, "--n-prompts", help="Prompts per step."),
-    prompts_alias: Optional[int] = typer.Option(None, "--prompts", hidden=True,
-                                                help="Former name of --n-prompts."),
-    samples: Optional[int] = typer.Option(None, "--samples", help="Episodes per prompt."),
-    sync_arms: Optional[str] = typer.Option(None, "--sync-arms", help="Comma-separated arms "
-                                            "also run on-policy (--sync) as controls, on L0 "
-                                            "(empty: none)."),
-    policy_steps: Optional[int] = typer.Option(None, "--policy-steps", help="Start from a zoo "
-                                               "policy trained N steps (built once into "
-                                               "OUT/policy-N; 0: the embedded model)."),
-    eval_tasks: Optional[int] = typer.Option(None, "--eval-tasks", help="Held-out tasks "
-                                             "evaluated before, midway and after each run."),
-    jobs: int = typer.Option(max(1, (os.cpu_count() or 1)), "--jobs", help="Runs at once, "
-                             "each pinned to cores of its own (default: the CPU count)."),
-    notes: Optional[Path] = typer.Option(None, "--notes", help="A markdown file appended to "
-                                         "the report (the discussion)."),
-    report_only: bool = typer.Option(False, "--report-only", help="Aggregate the runs in OUT "
-                                     "without running anything."),
-    export: Optional[Path] = typer.Option(None, "--export", help="Also copy study.json and "
-                                          "every run's logs (no checkpoints) here, e.g. to "
-                                          "commit them; `--report-only --out DIR` reads them."),
-    adopt: Optional[Path] = typer.Option(None, "--adopt", help="An --export folder: its runs "
-                                         "that finished with this grid's settings count as "
-                                         "done (their logs are copied into OUT), so a new "
-                                         "machine resumes the grid from committed logs."),
-    eval_full_vocab: bool = typer.Option(False, "--eval-full-vocab", help="Evaluate the base "
-                                         "and final policy of each finished top-p run that was "
-                                         "evaluated only through its nucleus (made before "
-                                         "`mismatch train` did both) from the full vocabulary "
-                                         "too, as the study evaluated, into its eval.json."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+    out: _S_OUT = Path("runs/study"), report: _S_REPORT = None, preset: _S_PRESET = "full",
+    fleets: _S_FLEETS = None, arms: _S_ARMS = None, seeds: _S_SEEDS = None,
+    staleness: _S_STALENESS = None, steps: _S_STEPS = None, lr: _S_LR = None,
+    tasks: _S_TASKS = None, prompts: _S_PROMPTS = None, prompts_alias: _S_PROMPTS_ALIAS = None,
+    samples: _S_SAMPLES = None, sync_arms: _S_SYNC_ARMS = None,
+    policy_steps: _S_POLICY_STEPS = None, eval_tasks: _S_EVAL_TASKS = None,
+    jobs: _S_JOBS = max(1, (os.cpu_count() or 1)), notes: _S_NOTES = None,
+    report_only: _S_REPORT_ONLY = False, export: _S_EXPORT = None, adopt: _S_ADOPT = None,
+    eval_full_vocab: _S_EVAL_FULL_VOCAB = False, quiet: _S_QUIET = False,
 ) -> None:
     """Run the study's grid (fleet x staleness x arm x seed) as separate processes, resumably,
     and aggregate it into a report."""
