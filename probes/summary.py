@@ -3,12 +3,13 @@
 `ProbeSummary` is built by the quick probe (`mismatch.app.probe.run_probe`) and by the sources
 runner (`mismatch.probes.runner.run_sources`); `to_json()` is results.json, the contract that
 `mismatch qualify`, the reports and users' scripts read. The two runs share the header and differ
-in a few optional keys, which `to_json()` leaves out where a run has none.
+in a few optional keys, which `to_json()` leaves out where a run has none; `from_json()` reads
+a results.json back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = ["ProbeSummary"]
@@ -76,3 +77,17 @@ class ProbeSummary:
         if self.ladder is not None:
             out["ladder"] = self.ladder
         return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ProbeSummary:
+        """results.json back as a record (its `command`, which the writer adds beside the
+        figures, is not part of it). A key this record does not know is a ValueError naming it."""
+        names = {f.name for f in fields(cls)}
+        body = {k: v for k, v in d.items() if k != "command"}
+        unknown = sorted(set(body) - names)
+        if unknown:
+            raise ValueError(f"results.json: unknown keys {unknown}")
+        try:
+            return cls(**body)
+        except TypeError as exc:  # a required key missing
+            raise ValueError(f"results.json: {exc}") from None

@@ -78,15 +78,15 @@ def judge_run(run: Path, config: MonitorConfig | None = None) -> dict:
     `masked_loss` from the run's correction."""
     summary = summarize_run(run)
     config = config or MonitorConfig(masked_loss=run_masks_tokens(run))
-    alerts = replay(summary["records"], config)
+    alerts = replay(summary.records, config)
     critical = [a for a in alerts if a.severity == "critical"]
     first = critical[0].step if critical else None
     live_path = run / "alerts.jsonl"
     live = [a for a in (read_metrics(live_path) if live_path.is_file() else [])
             if a.get("severity") == "critical"]
-    halved = summary["halved_step"]
+    halved = summary.halved_step
     return {
-        "run": run.name, "steps": len(summary["records"]), "halved": halved,
+        "run": run.name, "steps": len(summary.records), "halved": halved,
         "first_critical": first,
         "signals": sorted({a.signal for a in critical if a.step == first}),
         "criticals": len(critical),

@@ -39,10 +39,10 @@ def _criticals(records, config=None):
 ])
 def test_runs_that_held_raise_no_critical_alert(run):
     summary = summarize_run(RUNS / run)
-    assert summary["halved_step"] is None  # the study's verdict: it never collapsed
-    assert summary["first_critical"] is not None  # the monitor that ran inside it cried wolf
+    assert summary.halved_step is None  # the study's verdict: it never collapsed
+    assert summary.first_critical is not None  # the monitor that ran inside it cried wolf
     assert run_masks_tokens(RUNS / run)  # its config.json: an MIS arm
-    assert _criticals(summary["records"], MonitorConfig(masked_loss=True)) == []
+    assert _criticals(summary.records, MonitorConfig(masked_loss=True)) == []
 
 
 def test_the_last_two_false_alarms_need_both_changes():
@@ -55,7 +55,7 @@ def test_the_last_two_false_alarms_need_both_changes():
                               ("L2-k8-sc_mis_topp-s0", MonitorConfig(), 58),
                               ("L2-k8-sc_mis_topp-s0", MonitorConfig(rules=old, masked_loss=True),
                                112)]:
-        critical = _criticals(summarize_run(RUNS / run)["records"], config)
+        critical = _criticals(summarize_run(RUNS / run).records, config)
         assert critical and critical[0].step == step, (run, critical)
 
 
@@ -82,9 +82,9 @@ def test_study_replay_no_false_critical_and_the_lead_kept():
                                        ("L0-k8-sc-s1", 10)])
 def test_collapses_are_critical_well_before_the_reward_halves(run, lead):
     summary = summarize_run(RUNS / run)
-    critical = _criticals(summary["records"])
+    critical = _criticals(summary.records)
     assert critical, f"{run}: collapse not flagged"
-    assert summary["halved_step"] - critical[0].step >= lead
+    assert summary.halved_step - critical[0].step >= lead
     assert critical[0].signal in ("kl", "reward")  # the signature, corroborated
 
 

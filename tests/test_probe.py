@@ -38,6 +38,10 @@ def test_probe_json_schema_and_outputs(moe_dir, prompt_file, tmp_path):
         assert 0 <= lo <= block["kl_exact"] <= hi
     assert s["total"]["kl_k3"] > 0 and s["sources"]["precision"]["kl_k3"] > 0
     written = json.loads((out / "results.json").read_text())
+    from mismatch.probes.summary import ProbeSummary
+
+    record = ProbeSummary.from_json(written)  # the file reads back as its record
+    assert record.to_json() == s and record.total["kl_k3"] == s["total"]["kl_k3"]
     assert written.pop("command").startswith("mismatch") and written == s
     for name in ("log_ratio_hist.png", "per_position.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -142,3 +146,7 @@ def test_probe_summary_json_keeps_each_runs_keys_in_order():
                             "ci_target", "sources", "ladder"]
     assert runner["tokens"] == 96 and runner["sources"]["precision"]["kl_k3"] == 2e-3
     assert "ladder" not in ProbeSummary(**head).to_json()
+    for body in (quick, runner):
+        assert list(ProbeSummary.from_json(body).to_json()) == list(body)
+    with pytest.raises(ValueError, match=r"unknown keys \['totals'\]"):
+        ProbeSummary.from_json({**quick, "totals": {}})

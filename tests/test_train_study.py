@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,8 @@ from mismatch.study.logs import export_logs
 from mismatch.study.aggregate import summarize_run
 from mismatch.study.runs import replayed_alert
 from mismatch.train.rundir import latest_checkpoint, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CLI = [sys.executable, "-m", "mismatch.cli"]
 
@@ -92,11 +95,11 @@ def test_summary_matches_the_runs_log(ci_study):
     recs = read_metrics(run / "metrics.jsonl")
     s = summarize_run(run)
     rewards = [r["reward"] for r in recs]
-    assert s["reward"] == rewards
-    assert s["base"] == pytest.approx(sum(rewards[:3]) / 3)
-    assert s["final"] == pytest.approx(sum(rewards) / len(rewards))  # fewer than 5 steps
-    assert s["kl_first"] == recs[0]["kl"]
-    assert s["accuracy"][1] == pytest.approx((rewards[0] + rewards[1]) / 2)
+    assert s.reward == rewards
+    assert s.base == pytest.approx(sum(rewards[:3]) / 3)
+    assert s.final == pytest.approx(sum(rewards) / len(rewards))  # fewer than 5 steps
+    assert s.kl_first == recs[0]["kl"]
+    assert s.accuracy[1] == pytest.approx((rewards[0] + rewards[1]) / 2)
 
 
 def test_collapse_signature_on_a_known_curve(tmp_path):
@@ -105,15 +108,18 @@ def test_collapse_signature_on_a_known_curve(tmp_path):
     from there: the 5-step mean first reaches 0.5 at step 32)."""
     run = tmp_path / "run"
     run.mkdir()
-    recs = [{"step": s, "reward": 0.6 if s <= 10 else 0.05, "kl": 1e-4 if s <= 10 else 1e-3,
-             "format_error_rate": 0.02 if s < 30 else 0.9} for s in range(1, 41)]
+    template = json.loads(next((ROOT / "reports" / "study-fresh").rglob("metrics.jsonl"))
+                          .read_text().splitlines()[0])  # a real step record's other fields
+    recs = [{**template, "step": s, "reward": 0.6 if s <= 10 else 0.05,
+             "kl": 1e-4 if s <= 10 else 1e-3, "format_error_rate": 0.02 if s < 30 else 0.9}
+            for s in range(1, 41)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     s = summarize_run(run)
-    assert s["halved_step"] == 13  # (2×0.6 + 3×0.05)/5 = 0.27 ≤ 0.3; step 12: 0.38
-    assert s["kl_growth_at_collapse"] == pytest.approx(10.0)
-    assert s["format_at_collapse"] == pytest.approx(0.02)  # not by step 18
-    assert s["format_ending_step"] == 32  # (2×0.02 + 3×0.9)/5 = 0.548 ≥ 0.5
-    assert s["first_critical"] is None and s["heldout"] == {}
+    assert s.halved_step == 13  # (2×0.6 + 3×0.05)/5 = 0.27 ≤ 0.3; step 12: 0.38
+    assert s.kl_growth_at_collapse == pytest.approx(10.0)
+    assert s.format_at_collapse == pytest.approx(0.02)  # not by step 18
+    assert s.format_ending_step == 32  # (2×0.02 + 3×0.9)/5 = 0.548 ≥ 0.5
+    assert s.first_critical is None and s.heldout == {}
 
 
 def test_known_good_baselines_let_the_monitor_judge_from_the_first_steps():
@@ -280,6 +286,22 @@ def test_bad_input_exits_2_in_one_line(tmp_path, ci_study):
     assert not (tmp_path / "x").exists()  # nothing written on bad input
 
 
+def _run_summary(**given):
+    """A hand-made RunSummary: the figures a test gives, neutral values (empty curves, zeros,
+    None) for the rest."""
+    from dataclasses import fields
+
+    from mismatch.study.runs import RunSummary
+
+    def neutral(kind: str):
+        if "None" in kind:
+            return None
+        return {"list": [], "dict": {}, "int": 0, "float": 0.0}[kind.split("[")[0]]
+
+    return RunSummary(**{f.name: given[f.name] if f.name in given else neutral(f.type)
+                         for f in fields(RunSummary)})
+
+
 def test_the_kl_ratio_is_given_at_step_1_and_as_the_studys_run_average():
     """Hand-made summaries: at step 1 L2 holds 100× L0's KL (numerics alone); averaged over the
     run the stable arm's KL is 3× (the study's measure: staleness adds to both fleets). A run
@@ -291,11 +313,11 @@ def test_the_kl_ratio_is_given_at_step_1_and_as_the_studys_run_average():
     full = list(range(1, cfg.steps + 1))
     runs = {}
     for seed, scale in ((0, 1.0), (1, 2.0)):
-        runs[Cell("L0", 8, "sc+mis", seed)] = {"kl_first": 1e-5 * scale, "kl_mean": 1e-3 * scale,
-                                               "steps": full}
-        runs[Cell("L2", 8, "sc+mis", seed)] = {"kl_first": 1e-3 * scale, "kl_mean": 3e-3 * scale,
-                                               "steps": full}
-    runs[Cell("L2", 8, "sc+mis", 2)] = {"kl_first": 2e-3, "kl_mean": 1.0, "steps": full[:40]}
+        runs[Cell("L0", 8, "sc+mis", seed)] = _run_summary(kl_first=1e-5 * scale,
+                                                           kl_mean=1e-3 * scale, steps=full)
+        runs[Cell("L2", 8, "sc+mis", seed)] = _run_summary(kl_first=1e-3 * scale,
+                                                           kl_mean=3e-3 * scale, steps=full)
+    runs[Cell("L2", 8, "sc+mis", 2)] = _run_summary(kl_first=2e-3, kl_mean=1.0, steps=full[:40])
     lines = _kl_ratio(cfg, runs)
     step1 = next(x for x in lines if "at step 1, full-distribution" in x)
     # geometric means: (1e-3 · 2e-3 · 2e-3)^(1/3) / (1e-5 · 2e-5)^(1/2) = 112.2
@@ -319,9 +341,9 @@ def test_a_run_short_of_its_steps_is_not_judged_a_false_alarm():
     breaking = [dict(r, kl=1e-2, reward=0.3) if r["step"] >= 6 else dict(r) for r in good[:30]]
 
     def summary(records, alert=None):
-        return {"halved_step": None, "steps": [r["step"] for r in records], "records": records,
-                "critical_alerts": [alert] if alert else [], "first_critical": alert,
-                "alert_signals": ["kl"] if alert else []}
+        return _run_summary(halved_step=None, steps=[r["step"] for r in records],
+                            records=records, critical_alerts=1 if alert else 0,
+                            first_critical=alert, alert_signals=["kl"] if alert else [])
 
     runs = {Cell("L0", 8, "sc+mis", 0): summary(good),
             Cell("L0", 8, "sc+mis+topp", 0): summary(good, alert=150),

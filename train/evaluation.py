@@ -12,6 +12,7 @@ full vocabulary, as the reference study evaluated (reference/synopsis.txt), unde
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,13 +20,14 @@ import torch
 from .batch import unit_seed
 from .config import TrainConfig
 from .fleet import fleet
+from .heldout import HeldOutScore
 from .rollout import run_episodes
 
 __all__ = ["evaluate", "evaluate_into"]
 
 
 def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
-             top_p: bool | None = None) -> dict[str, Any]:
+             top_p: bool | None = None) -> HeldOutScore:
     """Mean reward and end reasons of the policy on `cfg.eval_tasks` held-out tasks, each played
     `cfg.eval_samples` times at temperature 1 under the trainer's numerics (B200 BF16, BF16 KV
     cache: the `homogeneous` group), sampled as the arm's samplers sample (the top-p nucleus for
@@ -47,10 +49,11 @@ def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
                            episode_seeds=[unit_seed(i, cfg.seed + 1) * 1_009 + j
                                           for i in range(len(tasks)) for j in range(n)])
     ends = Counter(ep.end_reason for ep in eps)
-    return {"reward": sum(ep.reward for ep in eps) / len(eps), "episodes": len(eps),
-            "sampling": f"top-p {cfg.top_p}, top-k {cfg.top_p_max_tokens}" if top else "full",
-            "format_error_rate": ends.get("format_errors", 0) / len(eps),
-            "end_reasons": dict(sorted(ends.items()))}
+    return HeldOutScore(reward=sum(ep.reward for ep in eps) / len(eps), episodes=len(eps),
+                        sampling=f"top-p {cfg.top_p}, top-k {cfg.top_p_max_tokens}" if top
+                        else "full",
+                        format_error_rate=ends.get("format_errors", 0) / len(eps),
+                        end_reasons=dict(sorted(ends.items())))
 
 
 def evaluate_into(evaluation: dict[str, Any], key: str, model: torch.nn.Module, tokenizer,
@@ -62,9 +65,7 @@ def evaluate_into(evaluation: dict[str, Any], key: str, model: torch.nn.Module, 
     if cfg.samples_top_p:
         modes.append((evaluation.setdefault("full_vocab", {}), False))
     for into, top_p in modes:
-        res = evaluate(model, tokenizer, cfg, top_p=top_p)
-        if step is not None:
-            res["step"] = step
+        res = replace(evaluate(model, tokenizer, cfg, top_p=top_p), step=step).to_json()
         if key.isdigit():
             into.setdefault("during", {})[key] = res
         else:

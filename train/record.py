@@ -4,7 +4,8 @@ out/metrics.jsonl` reads a run's log as it reads any framework's.
 
 `StepRecord.to_json()` is the JSON object, its keys in the order of the fields; the optional
 fields (None, or False for the non-finite flag) are left out, as a step without them never had
-them. Readers (the monitor, report.py, the study) read the JSON, not this class.
+them. `StepRecord.from_json` reads a line back (the study's run summaries go through it); the
+monitor reads the JSON itself, as it reads any framework's log.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from .batch import Batch, Unit
 
 __all__ = ["StepRecord"]
 
+_ADDED_LATER = ("nonfinite_tokens", "group_tokens")
+"""Fields older logs lack: `from_json` reads them as None."""
 _OPTIONAL = ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer",
              "skipped_nonfinite_grad", "resumed_discarded_units", "sampling_cost_usd")
 
@@ -156,6 +159,21 @@ class StepRecord:
             resumed_discarded_units=resumed_discarded_units,
             sampling_cost_usd=None if not cost_per_token or set(gen) - set(cost_per_token)
             else float(sum(tok * cost_per_token[g] for g, (tok, _s) in gen.items())))
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StepRecord:
+        """A metrics.jsonl object back as a record. Logs written before `nonfinite_tokens` and
+        `group_tokens` existed read with None there (not logged, not zero); any other missing
+        key, or one this record does not have, is a ValueError naming it."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"metrics record of step {d.get('step')}: unknown keys {unknown}")
+        values = {**dict.fromkeys(_ADDED_LATER), **d}
+        try:
+            return cls(**values)
+        except TypeError as exc:  # a required field missing
+            raise ValueError(f"metrics record of step {d.get('step')}: {exc}") from None
 
     def to_json(self) -> dict[str, Any]:
         """The metrics.jsonl object: every field in order, the optional ones only when set."""

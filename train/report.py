@@ -93,13 +93,15 @@ def summary_rows(runs: list[dict[str, Any]], window: int = 20) -> list[list[str]
 
 def _heldout(ev: dict[str, Any]) -> str:
     """base → final held-out reward; a top-p arm's also from the full vocabulary."""
-    if "base" not in ev or "final" not in ev:
+    from .heldout import HeldOut
+
+    held = HeldOut.from_json(ev)
+    if not held.complete:
         return "—"
-    out = f"{ev['base']['reward']:.3f} → {ev['final']['reward']:.3f}"
-    full = ev.get("full_vocab") or {}
-    if "base" in full and "final" in full:
-        out += (f" (full vocabulary: {full['base']['reward']:.3f} → "
-                f"{full['final']['reward']:.3f})")
+    out = f"{held.base.reward:.3f} → {held.final.reward:.3f}"
+    full = held.full_vocab
+    if full is not None and full.complete:
+        out += f" (full vocabulary: {full.base.reward:.3f} → {full.final.reward:.3f})"
     return out
 
 

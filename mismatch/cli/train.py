@@ -13,7 +13,7 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -33,79 +33,89 @@ def _fleet_path(path: Optional[Path]) -> Optional[str]:
     return str(path.resolve())
 
 
+_T_OUT = Annotated[Path, typer.Option("--out", help="Run directory (metrics.jsonl, "
+    "alerts.jsonl, checkpoints/, eval.json, final/).")]
+_T_PRESET = Annotated[str, typer.Option("--preset", help="homogeneous | precision | mixed | "
+    "smoke (a few small steps on the mixed fleet, for CI).")]
+_T_FLEET_FILE = Annotated[Optional[Path], typer.Option("--fleet", help="Sample on this fleet "
+    "file instead of the preset's fleet (the fleet.toml `mismatch plan` writes: groups and "
+    "shares; with prices, every step logs sampling_cost_usd).")]
+_T_CORRECTION = Annotated[str, typer.Option("--correction", help="Loss arm: grpo, mis, icepop, "
+    "tis, sc, sc+mis, sc+tis, grpo+topp (or topp), sc+mis+topp — the names `mismatch study "
+    "--arms` takes.")]
+_T_TRAINER_DTYPE = Annotated[str, typer.Option("--trainer-dtype", help="The trainer's compute "
+    "dtype: bf16, or fp32 (a reference; samplers still get BF16 weights).")]
+_T_LM_HEAD = Annotated[str, typer.Option("--lm-head", help="The LM head's precision on the "
+    "trainer and every sampler: compute (BF16) or fp32 (inputs, weights and logits in FP32, as "
+    "MiniMax-M1 trained).")]
+_T_STEPS = Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (preset's "
+    "default: 200; smoke: 3).")]
+_T_RESUME = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its "
+    "newest checkpoint.")]
+_T_LR = Annotated[Optional[float], typer.Option("--lr", help="AdamW learning rate (1e-4).")]
+_T_PROMPTS = Annotated[Optional[int], typer.Option("--n-prompts", help="Prompts per step (4).")]
+_T_PROMPTS_ALIAS = Annotated[Optional[int], typer.Option("--prompts", hidden=True,
+    help="Former name of --n-prompts.")]
+_T_SAMPLES = Annotated[Optional[int], typer.Option("--samples", help="Episodes per prompt, the "
+    "GRPO group (8).")]
+_T_MAX_STALENESS = Annotated[Optional[int], typer.Option("--max-staleness",
+    help="Bound on a token's staleness in steps (unbounded).")]
+_T_STALENESS = Annotated[Optional[int], typer.Option("--staleness", help="Force the lag: step s "
+    "trains on episodes of version max(0, s-K).")]
+_T_SYNC = Annotated[bool, typer.Option("--sync", help="Synchronous: sample with version s, then "
+    "train step s.")]
+_T_WORKERS = Annotated[Optional[int], typer.Option("--workers", help="Sampler worker threads "
+    "(1).")]
+_T_SAMPLER_PROCESSES = Annotated[Optional[int], typer.Option("--sampler-processes",
+    help="Local backend: sampler worker processes of one thread each, beside the trainer "
+    "(default: one per core on a machine with 2 or more; 0: sample in this process).")]
+_T_THREADS = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads "
+    "(1).")]
+_T_CHECKPOINT_EVERY = Annotated[Optional[int], typer.Option("--checkpoint-every",
+    help="Checkpoint every N steps (10).")]
+_T_KEEP_CHECKPOINTS = Annotated[Optional[int], typer.Option("--keep-checkpoints",
+    help="The newest N checkpoints kept (2; 0: all).")]
+_T_EVAL_TASKS = Annotated[Optional[int], typer.Option("--eval-tasks", help="Held-out tasks "
+    "evaluated before and after (64; smoke 0).")]
+_T_EVAL_EVERY = Annotated[Optional[int], typer.Option("--eval-every", help="Also evaluate the "
+    "held-out tasks every N steps (0: no).")]
+_T_MODEL = Annotated[Optional[Path], typer.Option("--model", help="Start from this policy (a "
+    "`mismatch zoo build --out` directory; default: the embedded model).")]
+_T_STOP_ON = Annotated[Optional[str], typer.Option("--stop-on", help="End the run, with a "
+    "checkpoint, on an alert: warning | critical.")]
+_T_TASKS = Annotated[Optional[str], typer.Option("--tasks", help="Task mix: zoo, or kinds in "
+    "turn (arith, word, table, two_step), e.g. arith,table.")]
+_T_SEED = Annotated[Optional[int], typer.Option("--seed", help="Router, task order, sampling.")]
+_T_BACKEND = Annotated[str, typer.Option("--backend", help="local (sampler threads in this "
+    "process) | ray (sampler groups and the trainer as Ray actors).")]
+_T_ADDRESS = Annotated[Optional[str], typer.Option("--address", help="Ray: join this cluster "
+    "(e.g. 10.0.0.1:6379 or auto) instead of starting a local Ray with this machine's CPUs.")]
+_T_REPLICAS = Annotated[int, typer.Option("--replicas", help="Ray: sampler actors per group.")]
+_T_TRAINER_RANKS = Annotated[int, typer.Option("--trainer-ranks", help="Ray: trainer actors; N "
+    "> 1 shards the trainer with FSDP2 over N ranks.")]
+_T_WEIGHTS_DIR = Annotated[Optional[Path], typer.Option("--weights-dir",
+    help="Ray: publish weight versions as files in this directory (a path every node sees) "
+    "instead of through the object store.")]
+_T_PLACEMENT = Annotated[str, typer.Option("--placement", help="Ray: cpu (each actor a share of "
+    "the CPUs) | gpu (each sampler one GPU of its group's type, by Ray's accelerator_type "
+    "label).")]
+_T_QUIET = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+
+
 def train_command(
-    out: Path = typer.Option(..., "--out", help="Run directory (metrics.jsonl, alerts.jsonl, "
-                             "checkpoints/, eval.json, final/)."),
-    preset: str = typer.Option("mixed", "--preset", help="homogeneous | precision | mixed | "
-                               "smoke (a few small steps on the mixed fleet, for CI)."),
-    fleet_file: Optional[Path] = typer.Option(None, "--fleet", help="Sample on this fleet "
-                                              "file instead of the preset's fleet (the "
-                                              "fleet.toml `mismatch plan` writes: groups and "
-                                              "shares; with prices, every step logs "
-                                              "sampling_cost_usd)."),
-    correction: str = typer.Option("sc+mis+topp", "--correction", help="Loss arm: grpo, mis, "
-                                   "icepop, tis, sc, sc+mis, sc+tis, grpo+topp (or topp), "
-                                   "sc+mis+topp — the names `mismatch study --arms` takes."),
-    trainer_dtype: str = typer.Option("bf16", "--trainer-dtype", help="The trainer's compute "
-                                      "dtype: bf16, or fp32 (a reference; samplers still get "
-                                      "BF16 weights)."),
-    lm_head: str = typer.Option("compute", "--lm-head", help="The LM head's precision on the "
-                                "trainer and every sampler: compute (BF16) or fp32 (inputs, "
-                                "weights and logits in FP32, as MiniMax-M1 trained)."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (preset's "
-                                        "default: 200; smoke: 3)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its "
-                                "newest checkpoint."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (1e-4)."),
-    prompts: Optional[int] = typer.Option(None, "--n-prompts", help="Prompts per step (4)."),
-    prompts_alias: Optional[int] = typer.Option(None, "--prompts", hidden=True,
-                                                help="Former name of --n-prompts."),
-    samples: Optional[int] = typer.Option(None, "--samples", help="Episodes per prompt, the "
-                                          "GRPO group (8)."),
-    max_staleness: Optional[int] = typer.Option(None, "--max-staleness", help="Bound on a "
-                                                "token's staleness in steps (unbounded)."),
-    staleness: Optional[int] = typer.Option(None, "--staleness", help="Force the lag: step s "
-                                            "trains on episodes of version max(0, s-K)."),
-    sync: bool = typer.Option(False, "--sync", help="Synchronous: sample with version s, then "
-                              "train step s."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Sampler worker threads (1)."),
-    sampler_processes: Optional[int] = typer.Option(
-        None, "--sampler-processes", help="Local backend: sampler worker processes of one "
-        "thread each, beside the trainer (default: one per core on a machine with 2 or more; "
-        "0: sample in this process)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (1)."),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every",
-                                                   help="Checkpoint every N steps (10)."),
-    keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="The "
-                                                   "newest N checkpoints kept (2; 0: all)."),
-    eval_tasks: Optional[int] = typer.Option(None, "--eval-tasks", help="Held-out tasks "
-                                             "evaluated before and after (64; smoke 0)."),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Also evaluate the "
-                                             "held-out tasks every N steps (0: no)."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Start from this policy (a "
-                                         "`mismatch zoo build --out` directory; default: the "
-                                         "embedded model)."),
-    stop_on: Optional[str] = typer.Option(None, "--stop-on", help="End the run, with a "
-                                          "checkpoint, on an alert: warning | critical."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="Task mix: zoo, or kinds in turn "
-                                        "(arith, word, table, two_step), e.g. arith,table."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Router, task order, sampling."),
-    backend: str = typer.Option("local", "--backend", help="local (sampler threads in this "
-                                "process) | ray (sampler groups and the trainer as Ray actors)."),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray: join this cluster "
-                                          "(e.g. 10.0.0.1:6379 or auto) instead of starting a "
-                                          "local Ray with this machine's CPUs."),
-    replicas: int = typer.Option(1, "--replicas", help="Ray: sampler actors per group."),
-    trainer_ranks: int = typer.Option(1, "--trainer-ranks", help="Ray: trainer actors; N > 1 "
-                                      "shards the trainer with FSDP2 over N ranks."),
-    weights_dir: Optional[Path] = typer.Option(None, "--weights-dir", help="Ray: publish "
-                                               "weight versions as files in this directory "
-                                               "(a path every node sees) instead of through "
-                                               "the object store."),
-    placement: str = typer.Option("cpu", "--placement", help="Ray: cpu (each actor a share of "
-                                  "the CPUs) | gpu (each sampler one GPU of its group's type, "
-                                  "by Ray's accelerator_type label)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    out: _T_OUT, preset: _T_PRESET = "mixed", fleet_file: _T_FLEET_FILE = None,
+    correction: _T_CORRECTION = "sc+mis+topp", trainer_dtype: _T_TRAINER_DTYPE = "bf16",
+    lm_head: _T_LM_HEAD = "compute", steps: _T_STEPS = None, resume: _T_RESUME = False,
+    lr: _T_LR = None, prompts: _T_PROMPTS = None, prompts_alias: _T_PROMPTS_ALIAS = None,
+    samples: _T_SAMPLES = None, max_staleness: _T_MAX_STALENESS = None,
+    staleness: _T_STALENESS = None, sync: _T_SYNC = False, workers: _T_WORKERS = None,
+    sampler_processes: _T_SAMPLER_PROCESSES = None, threads: _T_THREADS = None,
+    checkpoint_every: _T_CHECKPOINT_EVERY = None, keep_checkpoints: _T_KEEP_CHECKPOINTS = None,
+    eval_tasks: _T_EVAL_TASKS = None, eval_every: _T_EVAL_EVERY = None, model: _T_MODEL = None,
+    stop_on: _T_STOP_ON = None, tasks: _T_TASKS = None, seed: _T_SEED = None,
+    backend: _T_BACKEND = "local", address: _T_ADDRESS = None, replicas: _T_REPLICAS = 1,
+    trainer_ranks: _T_TRAINER_RANKS = 1, weights_dir: _T_WEIGHTS_DIR = None,
+    placement: _T_PLACEMENT = "cpu", quiet: _T_QUIET = False,
 ) -> None:
     """Train the embedded model with corrected asynchronous GRPO on a sampler fleet."""
     from mismatch.cli.common import fail, quiet_libraries
@@ -119,8 +129,7 @@ def train_command(
         prompts = one_of(prompts, prompts_alias)
         correction = ARM_ALIASES.get(correction, correction)
         cfg = preset_config(preset, correction=correction, lm_head=lm_head.lower(),
-                            trainer_dtype=trainer_dtype.lower(), steps=steps,
-                            lr=lr,
+                            trainer_dtype=trainer_dtype.lower(), steps=steps, lr=lr,
                             prompts_per_step=prompts, samples_per_prompt=samples,
                             max_staleness=max_staleness, staleness=staleness,
                             sync=sync or None, workers=workers,
@@ -137,18 +146,8 @@ def train_command(
             check_model_dir(cfg.model)
         if stop_on not in (None, "warning", "critical"):
             raise ValueError(f"--stop-on must be warning or critical, got {stop_on!r}")
-        if backend not in ("local", "ray"):
-            raise ValueError(f"--backend must be local or ray, got {backend!r}")
-        if backend == "local" and (address or replicas != 1 or placement != "cpu"
-                                   or trainer_ranks != 1 or weights_dir):
-            raise ValueError("--address, --replicas, --trainer-ranks, --weights-dir and "
-                             "--placement are options of --backend ray")
-        engine = None
-        if backend == "ray":
-            from mismatch.train.ray_backend import RayBackend
-
-            engine = RayBackend(address, replicas=replicas, trainer_ranks=trainer_ranks,
-                                placement=placement, weights_dir=weights_dir)
+        engine = _backend(backend, address=address, replicas=replicas, placement=placement,
+                          trainer_ranks=trainer_ranks, weights_dir=weights_dir)
     except ValueError as exc:
         fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -157,8 +156,37 @@ def train_command(
     def body(progress):
         return run(cfg, out, resume=resume, stop_on=stop_on, progress=progress, backend=engine)
 
+    result = _run_reporting_errors(body, cfg.steps, quiet, out, command)
+    (Path(out) / "command.txt").write_text(command + "\n")
+    typer.echo("\n".join(_result_lines(out, cfg, result)))
+    if result.stopped:
+        typer.echo(f"stopped: {result.stopped}; resume with --resume", err=True)
+        raise typer.Exit(EXIT_STOPPED)
+
+
+def _backend(backend: str, *, address, replicas, placement, trainer_ranks, weights_dir):
+    """--backend and its options: None for the local backend, else a RayBackend (ValueError for
+    an unknown backend, or Ray's options without it)."""
+    if backend not in ("local", "ray"):
+        raise ValueError(f"--backend must be local or ray, got {backend!r}")
+    if backend == "local":
+        if address or replicas != 1 or placement != "cpu" or trainer_ranks != 1 or weights_dir:
+            raise ValueError("--address, --replicas, --trainer-ranks, --weights-dir and "
+                             "--placement are options of --backend ray")
+        return None
+    from mismatch.train.ray_backend import RayBackend
+
+    return RayBackend(address, replicas=replicas, trainer_ranks=trainer_ranks,
+                      placement=placement, weights_dir=weights_dir)
+
+
+def _run_reporting_errors(body, steps: int, quiet: bool, out: Path, command: str):
+    """The run under its step bar; Ctrl-C, bad input and a failed Ray backend end it in one line
+    (a bug still raises)."""
+    from mismatch.cli.common import fail
+
     try:
-        result = _with_step_bar(body, cfg.steps, quiet=quiet)
+        return _with_step_bar(body, steps, quiet=quiet)
     except KeyboardInterrupt:
         _interrupted(out, command)
     except ValueError as exc:
@@ -169,22 +197,24 @@ def train_command(
         if not isinstance(exc, BackendError):
             raise
         fail(str(exc))
-    (Path(out) / "command.txt").write_text(command + "\n")
-    ev = result.evaluation
+
+
+def _result_lines(out: Path, cfg, result) -> list[str]:
+    """What the run did, for the terminal: steps, held-out reward (through a top-p arm's nucleus,
+    then from the full vocabulary), alerts."""
+    from mismatch.train.heldout import HeldOut
+
+    ev = HeldOut.from_json(result.evaluation)
     lines = [f"{out}: {result.steps_done} steps ({cfg.correction} on {cfg.fleet})"]
-    for label, e in (("", ev), (" from the full vocabulary", ev.get("full_vocab") or {})):
-        if "base" in e and "final" in e:  # a top-p arm: through its nucleus, then the full one
-            during = "".join(f" -> step {k} {v['reward']:.3f}"
-                             for k, v in e.get("during", {}).items())
-            lines.append(f"held-out reward{label}: base {e['base']['reward']:.3f}{during} -> "
-                         f"final {e['final']['reward']:.3f} ({ev['tasks']} tasks x "
-                         f"{ev['samples']}, {e['final']['sampling']} sampling)")
+    for label, e in (("", ev), (" from the full vocabulary", ev.full_vocab)):
+        if e is not None and e.complete:
+            during = "".join(f" -> step {k} {v.reward:.3f}" for k, v in e.during.items())
+            lines.append(f"held-out reward{label}: base {e.base.reward:.3f}{during} -> "
+                         f"final {e.final.reward:.3f} ({ev.tasks} tasks x {ev.samples}, "
+                         f"{e.final.sampling} sampling)")
     if result.alerts:
         lines.append(f"alerts: {len(result.alerts)} (see {Path(out) / 'alerts.jsonl'})")
-    typer.echo("\n".join(lines))
-    if result.stopped:
-        typer.echo(f"stopped: {result.stopped}; resume with --resume", err=True)
-        raise typer.Exit(EXIT_STOPPED)
+    return lines
 
 
 EXIT_INTERRUPTED = 130

@@ -8,13 +8,12 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import Any
 
 from mismatch.io import atomic_write_text
 
 from .cells import STUDY_ARMS, STUDY_FLEETS, Cell, StudyConfig, cells, fleet_label
-from .runs import (WINDOW, cell_panels, cell_runs, ci95, lag_label, share_ci,
-                            replayed_alert, summarize_run)
+from .runs import (WINDOW, RunSummary, cell_panels, cell_runs, ci95, lag_label, share_ci,
+                   replayed_alert, summarize_run)
 
 __all__ = ["aggregate", "summarize_run"]
 
@@ -38,7 +37,7 @@ def aggregate(cfg: StudyConfig, out: Path, report: Path, *, command: str = "",
     """Write `report` (markdown) and its plots (`<stem>-reward.png`, `-kl.png`, `-format.png`)
     beside it, atomically. Cells without a run are listed as missing."""
     out, report = Path(out), Path(report)
-    runs: dict[Cell, dict[str, Any]] = {}
+    runs: dict[Cell, RunSummary] = {}
     for cell in cells(cfg):
         s = summarize_run(out / cell.name)
         if s is not None:
@@ -57,25 +56,25 @@ def aggregate(cfg: StudyConfig, out: Path, report: Path, *, command: str = "",
     return report
 
 
-def _halving(rs: list[dict], steps: int) -> str:
+def _halving(rs: list[RunSummary], steps: int) -> str:
     """Halving steps, and their mean ± interval counting a run that never halved at `steps`."""
-    at = [r["halved_step"] for r in rs]
+    at = [r.halved_step for r in rs]
     if all(x is None for x in at):
         return f"never in {steps} steps"
     censored = ci95([steps if x is None else x for x in at])
     return f"at step {_steps_list(at)} (mean {_fmt_ci(*censored, digits=0)}, never = {steps})"
 
 
-def _complete(cfg: StudyConfig, runs: dict[Cell, dict]) -> dict[Cell, dict]:
+def _complete(cfg: StudyConfig, runs: dict[Cell, RunSummary]) -> dict[Cell, RunSummary]:
     """The runs that reached the grid's steps: the claims are judged on these alone."""
-    return {c: r for c, r in runs.items() if r["steps"][-1] >= cfg.steps}
+    return {c: r for c, r in runs.items() if r.steps[-1] >= cfg.steps}
 
 
-def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
+def _verdicts(cfg: StudyConfig, runs: dict[Cell, RunSummary]) -> list[str]:
     """The study's claims, each answered from the runs (numbers and intervals, not adjectives)."""
     lines: list[str] = []
-    partial = sorted(f"{c.name} (step {r['steps'][-1]})" for c, r in runs.items()
-                     if r["steps"][-1] < cfg.steps)
+    partial = sorted(f"{c.name} (step {r.steps[-1]})" for c, r in runs.items()
+                     if r.steps[-1] < cfg.steps)
     started, runs = runs, _complete(cfg, runs)
     lines.append(f"Judged on the {len(runs)} run(s) that reached step {cfg.steps}"
                  + (f"; still running or stopped early, shown in the tables and curves only: "
@@ -93,7 +92,7 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
             for f in cfg.fleets:
                 rs = cell_runs(runs, f, k, arm)
                 if rs:
-                    n = sum(r["halved_step"] is not None for r in rs)
+                    n = sum(r.halved_step is not None for r in rs)
                     verdict[f, arm] = (n, len(rs), rs)
         if not verdict:
             continue
@@ -104,7 +103,7 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
             lines.append("- Does uncorrected GRPO collapse? Runs collapsed: " + "; ".join(parts)
                          + ".")
             if ("L0", "grpo") in verdict and ("L2", "grpo") in verdict:
-                h = {f: [cfg.steps if r["halved_step"] is None else r["halved_step"]
+                h = {f: [cfg.steps if r.halved_step is None else r.halved_step
                          for r in verdict[f, "grpo"][2]] for f in ("L0", "L2")}
                 lines.append(f"- Earlier on the mixed fleet? Median halving step (never = "
                              f"{cfg.steps}): L2 {statistics.median(h['L2']):g} vs L0 "
@@ -119,20 +118,20 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
                     continue
                 n, t, rs = verdict[f, arm]
                 parts.append(f"{f}: collapsed {share_ci(n, t)}, {_halving(rs, cfg.steps)}; "
-                             f"final training reward {_fmt_ci(*ci95([r['final'] for r in rs]))}"
+                             f"final training reward {_fmt_ci(*ci95([r.final for r in rs]))}"
                              f"; held-out {_heldout_line(rs)}")
             ask = ("alone: collapse delayed rather than avoided?" if single
                    else "stable to the end?")
             if parts:
                 lines.append(f"- {arm} {ask} " + " — ".join(parts) + ".")
         collapsed = [r for c, r in runs.items() if c.staleness == k
-                     and r["halved_step"] is not None]
+                     and r.halved_step is not None]
         if collapsed:
-            kl3 = sum(r["kl_growth_at_collapse"] >= 3 for r in collapsed)
-            fmt = sum(r["format_at_collapse"] >= max(0.5, 3 * r["format_early"])
+            kl3 = sum(r.kl_growth_at_collapse >= 3 for r in collapsed)
+            fmt = sum(r.format_at_collapse >= max(0.5, 3 * r.format_early)
                       for r in collapsed)
-            ending = [r["format_ending_step"] for r in collapsed
-                      if r.get("format_ending_step") is not None]
+            ending = [r.format_ending_step for r in collapsed
+                      if r.format_ending_step is not None]
             lines.append(
                 f"- The collapse signature, over the {len(collapsed)} collapsed runs (judged up "
                 f"to {WINDOW} steps after the halving): reward halved in all (by definition); "
@@ -146,17 +145,17 @@ def _verdicts(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
     return lines
 
 
-def _heldout_line(rs: list[dict]) -> str:
+def _heldout_line(rs: list[RunSummary]) -> str:
     """Held-out reward base → mid → final over a cell's runs (mean ± 95% interval)."""
     parts = []
     for key in ("base", "mid", "final"):
-        vals = [r["heldout"][key] for r in rs if key in r["heldout"]]
+        vals = [r.heldout[key] for r in rs if key in r.heldout]
         if vals:
             parts.append(f"{key} {_fmt_ci(*ci95(vals))}")
     line = " → ".join(parts) if parts else "not evaluated"
     full = [f"{key} {_fmt_ci(*ci95(vals))}" for key in ("base", "mid", "final")
-            if (vals := [r["heldout"][f"{key}_full"] for r in rs
-                         if f"{key}_full" in r["heldout"]])]
+            if (vals := [r.heldout[f"{key}_full"] for r in rs
+                         if f"{key}_full" in r.heldout])]
     if full:  # top-p arms: their own nucleus above, the study's full vocabulary here
         line += f" (from the full vocabulary, the study's evaluation: {' → '.join(full)})"
     return line
@@ -175,7 +174,7 @@ def _ratio_line(what: str, logs: dict[str, list[float]], unit: str, tail: str) -
             f"{unit}; {tail}).")
 
 
-def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
+def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, RunSummary]) -> list[str]:
     """L2/L0 sampler–trainer KL two ways. At step 1 (same weights: the numerics alone), per
     sampling mode (top-p arms never sample the tail, where most of the mismatch lives), over
     every run that logged a step. And averaged over the run, the study's own measure (its 4.7× is
@@ -193,8 +192,8 @@ def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
         for f in ("L0", "L2"):
             per_seed: dict[int, list[float]] = {}
             for c, r in runs.items():
-                if c.fleet == f and pick(c.arm) and r["kl_first"] > 0:
-                    per_seed.setdefault(c.seed, []).append(math.log(r["kl_first"]))
+                if c.fleet == f and pick(c.arm) and r.kl_first > 0:
+                    per_seed.setdefault(c.seed, []).append(math.log(r.kl_first))
             logs[f] = [sum(v) / len(v) for v in per_seed.values()]
         if not (logs["L0"] and logs["L2"]):
             continue
@@ -203,8 +202,8 @@ def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
     done = _complete(cfg, runs)
     for k in cfg.staleness:
         for arm in ("sc+mis", "sc+mis+topp"):
-            logs = {f: [math.log(r["kl_mean"]) for r in cell_runs(done, f, k, arm)
-                        if r["kl_mean"] > 0] for f in ("L0", "L2")}
+            logs = {f: [math.log(r.kl_mean) for r in cell_runs(done, f, k, arm)
+                        if r.kl_mean > 0] for f in ("L0", "L2")}
             if not (logs["L0"] and logs["L2"]):
                 continue
             lines.append(_ratio_line(
@@ -213,7 +212,7 @@ def _kl_ratio(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
     return lines
 
 
-def _cell_table(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
+def _cell_table(cfg: StudyConfig, runs: dict[Cell, RunSummary]) -> list[str]:
     out = ["| fleet | K | arm | runs | train reward first 3 | final | collapsed | halved at | "
            "held-out base → mid → final | KL step 1 | KL growth | format errors (end / max) | "
            "MIS-masked (end) | first critical alert |", "|" + "---|" * 14]
@@ -222,65 +221,65 @@ def _cell_table(cfg: StudyConfig, runs: dict[Cell, dict]) -> list[str]:
             rs = cell_runs(runs, f, k, arm)
             if not rs:
                 continue
-            col = sum(r["halved_step"] is not None for r in rs)
-            mean = lambda key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+            col = sum(r.halved_step is not None for r in rs)
+            mean = lambda key: sum(getattr(r, key) for r in rs) / len(rs)  # noqa: E731
             out.append(
                 f"| {f} | {lag_label(k)} | {arm} | {len(rs)} | {mean('base'):.2f} | "
-                f"{_fmt_ci(*ci95([r['final'] for r in rs]))} | {col}/{len(rs)} | "
-                f"{_steps_list([r['halved_step'] for r in rs])} | {_heldout_line(rs)} | "
+                f"{_fmt_ci(*ci95([r.final for r in rs]))} | {col}/{len(rs)} | "
+                f"{_steps_list([r.halved_step for r in rs])} | {_heldout_line(rs)} | "
                 f"{mean('kl_first'):.1e} | {mean('kl_growth'):.1f}× | "
                 f"{mean('format_end'):.2f} / {mean('format_max'):.2f} | "
                 f"{mean('mis_masked_end'):.3f} | "
-                f"{_steps_list([r['first_critical'] for r in rs])} |")
+                f"{_steps_list([r.first_critical for r in rs])} |")
     return out
 
 
-def _monitor(runs: dict[Cell, dict], steps: int) -> list[str]:
+def _monitor(runs: dict[Cell, RunSummary], steps: int) -> list[str]:
     out = ["Lead time = the step at which the reward halved − the step of the monitor's first "
            "critical alert (positive: the alert came first). The monitor ran live inside every "
            "run with its default rules (probes.monitor.MonitorConfig: baseline over steps 4–13, "
            "judged from step 14).", ""]
-    collapsed = [(c, r) for c, r in runs.items() if r["halved_step"] is not None]
+    collapsed = [(c, r) for c, r in runs.items() if r.halved_step is not None]
     # a run short of its steps that has not halved yet is not judged stable (nor a false alarm)
-    stable = [(c, r) for c, r in runs.items() if r["halved_step"] is None
-              and r["steps"][-1] >= steps]
-    pending = sorted(c.name for c, r in runs.items() if r["halved_step"] is None
-                     and r["steps"][-1] < steps)
+    stable = [(c, r) for c, r in runs.items() if r.halved_step is None
+              and r.steps[-1] >= steps]
+    pending = sorted(c.name for c, r in runs.items() if r.halved_step is None
+                     and r.steps[-1] < steps)
     if collapsed:
         out += ["| run | reward halved at | first critical alert | lead (steps) | signals |",
                 "|---|---|---|---|---|"]
         for c, r in sorted(collapsed, key=lambda x: x[0].name):
-            a = r["first_critical"]
-            lead = "no alert" if a is None else str(r["halved_step"] - a)
-            out.append(f"| {c.name} | {r['halved_step']} | {a if a is not None else '–'} | "
-                       f"{lead} | {', '.join(r['alert_signals']) or '–'} |")
-        leads = [r["halved_step"] - r["first_critical"] for _, r in collapsed
-                 if r["first_critical"] is not None]
+            a = r.first_critical
+            lead = "no alert" if a is None else str(r.halved_step - a)
+            out.append(f"| {c.name} | {r.halved_step} | {a if a is not None else '–'} | "
+                       f"{lead} | {', '.join(r.alert_signals) or '–'} |")
+        leads = [r.halved_step - r.first_critical for _, r in collapsed
+                 if r.first_critical is not None]
         out += ["", f"Collapsed runs: {len(collapsed)}; alerted before the reward halved: "
                 f"{sum(x > 0 for x in leads)}; at the same step: {sum(x == 0 for x in leads)}; "
                 f"after: {sum(x < 0 for x in leads)}; never: {len(collapsed) - len(leads)}."
                 + (f" Median lead {statistics.median(leads):g} steps." if leads else "")]
-    alarmed = [(c, r) for c, r in stable if r["critical_alerts"]]
+    alarmed = [(c, r) for c, r in stable if r.critical_alerts]
     out += ["", f"Runs whose reward never halved: {len(stable)}; with a critical alert (false "
             f"alarms; goal: none): {len(alarmed)}" + (" (" + ", ".join(
-                f"{c.name} at step {r['first_critical']} on {', '.join(r['alert_signals'])}"
+                f"{c.name} at step {r.first_critical} on {', '.join(r.alert_signals)}"
                 for c, r in sorted(alarmed, key=lambda x: x[0].name)) + ")" if alarmed else "")
             + "." + (f" Not judged, short of {steps} steps and not halved so far: "
                      f"{', '.join(pending)}." if pending else "")]
     return out + _known_good(runs, steps)
 
 
-def _reference(runs: dict[Cell, dict], cell: Cell, steps: int) -> Cell | None:
+def _reference(runs: dict[Cell, RunSummary], cell: Cell, steps: int) -> Cell | None:
     """The known-good run a monitor of `cell` takes its baselines from: a finished SC+MIS run
     that never halved, on the same fleet and staleness, the same seed when that is another run,
     else the nearest other seed."""
     good = [c for c in runs if (c.fleet, c.staleness, c.arm) == (cell.fleet, cell.staleness,
                                                                   "sc+mis")
-            and c != cell and runs[c]["halved_step"] is None and runs[c]["steps"][-1] >= steps]
+            and c != cell and runs[c].halved_step is None and runs[c].steps[-1] >= steps]
     return min(good, key=lambda c: (abs(c.seed - cell.seed), c.seed), default=None)
 
 
-def _known_good(runs: dict[Cell, dict], steps: int) -> list[str]:
+def _known_good(runs: dict[Cell, RunSummary], steps: int) -> list[str]:
     """Every run replayed through a monitor given a known-good run's baselines (`mismatch
     monitor --baseline`): lead times and false alarms when judging starts at the first steps."""
     rows, leads, false_alarms, silent = [], [], [], 0
@@ -289,16 +288,16 @@ def _known_good(runs: dict[Cell, dict], steps: int) -> list[str]:
         if ref is None:
             continue
         r = runs[c]
-        step = replayed_alert(r["records"], runs[ref]["records"])
-        halved = r["halved_step"]
+        step = replayed_alert(r.records, runs[ref].records)
+        halved = r.halved_step
         if halved is not None and step is not None:
             leads.append(halved - step)
         silent += halved is not None and step is None
-        if halved is None and step is not None and r["steps"][-1] >= steps:
+        if halved is None and step is not None and r.steps[-1] >= steps:
             false_alarms.append(f"{c.name} at step {step}")
         lead = "–" if halved is None or step is None else str(halved - step)
         rows.append(f"| {c.name} | {ref.name} | {halved if halved is not None else '–'} | "
-                    f"{r['first_critical'] if r['first_critical'] is not None else '–'} | "
+                    f"{r.first_critical if r.first_critical is not None else '–'} | "
                     f"{step if step is not None else '–'} | {lead} |")
     if not rows:
         return []
@@ -317,10 +316,10 @@ def _known_good(runs: dict[Cell, dict], steps: int) -> list[str]:
             + " (runs short of their steps not counted)."]
 
 
-def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, command: str,
+def _markdown(cfg: StudyConfig, runs: dict[Cell, RunSummary], figures: list[str], *, command: str,
               elapsed: float | None) -> str:
     missing = [c.name for c in cells(cfg) if c not in runs]
-    short = [c.name for c, r in runs.items() if r["steps"][-1] < cfg.steps]
+    short = [c.name for c, r in runs.items() if r.steps[-1] < cfg.steps]
     policy = ("the embedded model" if not cfg.policy_steps else
               f"a zoo policy trained {cfg.policy_steps} steps (`mismatch zoo build --steps "
               f"{cfg.policy_steps} --seed 0`; the embedded model is the same recipe at 1000)")
@@ -363,24 +362,24 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, dict], figures: list[str], *, c
             f"{WINDOW}-step KL mean / median KL of the first {WINDOW} steps.", ""]
     out += _cell_table(cfg, runs)
     out += ["", "## The monitor on these runs", ""] + _monitor(runs, cfg.steps)
-    l2 = [r for c, r in runs.items() if c.fleet == "L2" and r["group_kl_first"]]
+    l2 = [r for c, r in runs.items() if c.fleet == "L2" and r.group_kl_first]
     if l2:
-        groups = sorted({g for r in l2 for g in r["group_kl_first"]})
+        groups = sorted({g for r in l2 for g in r.group_kl_first})
         out += ["", "## KL per sampler group of L2 at step 1 (same weights: numerics only)", "",
                 "| group | mean KL (k3) over runs |", "|---|---|"]
         for g in groups:
-            vals = [r["group_kl_first"][g] for r in l2 if g in r["group_kl_first"]]
+            vals = [r.group_kl_first[g] for r in l2 if g in r.group_kl_first]
             out.append(f"| {g} | {sum(vals) / len(vals):.2e} |")
     out += ["", "## Every run", "", "| run | steps | train reward first 3 → final | held-out "
             "base → mid → final | halved at | first critical alert |", "|---|---|---|---|---|---|"]
     for c, r in sorted(runs.items(), key=lambda x: x[0].name):
-        ho = " → ".join(f"{r['heldout'][k]:.2f}" for k in ("base", "mid", "final")
-                        if k in r["heldout"]) or "–"
-        if "final_full" in r["heldout"]:
+        ho = " → ".join(f"{r.heldout[k]:.2f}" for k in ("base", "mid", "final")
+                        if k in r.heldout) or "–"
+        if "final_full" in r.heldout:
             ho += " (full vocabulary: " + " → ".join(
-                f"{r['heldout'][k]:.2f}" for k in ("base_full", "mid_full", "final_full")
-                if k in r["heldout"]) + ")"
-        out.append(f"| {c.name} | {r['steps'][-1]} | {r['base']:.2f} → {r['final']:.2f} | {ho} "
-                   f"| {_steps_list([r['halved_step']])} | "
-                   f"{_steps_list([r['first_critical']])} |")
+                f"{r.heldout[k]:.2f}" for k in ("base_full", "mid_full", "final_full")
+                if k in r.heldout) + ")"
+        out.append(f"| {c.name} | {r.steps[-1]} | {r.base:.2f} → {r.final:.2f} | {ho} "
+                   f"| {_steps_list([r.halved_step])} | "
+                   f"{_steps_list([r.first_critical])} |")
     return "\n".join(out) + "\n"

@@ -18,11 +18,12 @@ full-distribution arms of the same seed; the final is `final/`, the policy the r
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from mismatch.train.config import TrainConfig
+from mismatch.train.heldout import HeldOut
 from mismatch.train.rundir import write_json
 
 __all__ = ["needs_full_vocab_eval", "evaluate_full_vocab"]
@@ -46,11 +47,11 @@ def needs_full_vocab_eval(run: Path) -> bool:
         return False
     try:
         cfg = _config(run)
-        ev = json.loads((run / "eval.json").read_text())
-    except ValueError:  # json.JSONDecodeError is one
+        ev = HeldOut.from_json(json.loads((run / "eval.json").read_text()))
+    except (ValueError, KeyError, TypeError):  # json.JSONDecodeError is a ValueError
         return False
-    return cfg.samples_top_p and bool(cfg.eval_tasks) and "final" in ev \
-        and "final" not in (ev.get("full_vocab") or {})
+    return cfg.samples_top_p and bool(cfg.eval_tasks) and ev.final is not None \
+        and (ev.full_vocab is None or ev.full_vocab.final is None)
 
 
 def evaluate_full_vocab(run: Path, log: Callable[[str], None] = lambda _: None
@@ -79,9 +80,8 @@ def evaluate_full_vocab(run: Path, log: Callable[[str], None] = lambda _: None
                 f"({cfg.eval_tasks} tasks × {cfg.eval_samples})")
             res = evaluate(load_model(path, dtype="bfloat16"), load_tokenizer(path), cfg,
                            top_p=False)
-            if key == "final":
-                res["step"] = ev["final"].get("step")
-            full[key] = res
+            step = HeldOut.from_json(ev).final.step if key == "final" else None
+            full[key] = replace(res, step=step).to_json()
     ev["full_vocab"] = full
     write_json(run / "eval.json", ev)
     return full

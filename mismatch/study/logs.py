@@ -78,8 +78,10 @@ def _finished(run: Path, cfg) -> bool:
     if not cfg.eval_tasks:
         return True
     try:
-        return "final" in json.loads((run / "eval.json").read_text())
-    except (OSError, ValueError):
+        from mismatch.train.heldout import HeldOut
+
+        return HeldOut.from_json(json.loads((run / "eval.json").read_text())).final is not None
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable or malformed: not finished
         return False
 
 

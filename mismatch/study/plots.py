@@ -8,7 +8,7 @@ from pathlib import Path
 from mismatch.io import save_figure
 
 from .cells import STUDY_FLEETS, Cell, StudyConfig, fleet_label
-from .runs import WINDOW, cell_panels, cell_runs, trailing
+from .runs import WINDOW, RunSummary, cell_panels, cell_runs, trailing
 
 __all__ = ["plot_study"]
 
@@ -16,7 +16,8 @@ _COLORS = {"grpo": "tab:red", "mis": "tab:orange", "sc": "tab:purple", "sc+mis":
            "grpo+topp": "tab:brown", "sc+mis+topp": "tab:green"}
 
 
-def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str) -> list[str]:
+def plot_study(cfg: StudyConfig, runs: dict[Cell, RunSummary], folder: Path,
+               stem: str) -> list[str]:
     """Write `<stem>-reward.png`, `-kl.png`, `-format.png` and (with held-out evaluations)
     `-heldout.png` into `folder` (each renamed into place only when whole); returns their
     names."""
@@ -39,10 +40,10 @@ def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str
                 rs = cell_runs(runs, fleet, k, arm)
                 if not rs:
                     continue
-                n = min(len(r["steps"]) for r in rs)
-                steps = rs[0]["steps"][:n]
-                series = [r[key][:n] if key != "format_error_rate"
-                          else trailing(r[key])[:n] for r in rs]
+                n = min(len(r.steps) for r in rs)
+                steps = rs[0].steps[:n]
+                series = [getattr(r, key)[:n] if key != "format_error_rate"
+                          else trailing(getattr(r, key))[:n] for r in rs]
                 mean = [sum(v) / len(v) for v in zip(*series)]
                 lo = [min(v) for v in zip(*series)]
                 hi = [max(v) for v in zip(*series)]
@@ -60,12 +61,12 @@ def plot_study(cfg: StudyConfig, runs: dict[Cell, dict], folder: Path, stem: str
         fig.suptitle(f"{title}: mean over seeds, band = min–max (emulated samplers)",
                      fontsize=10)
         names.append(save_figure(fig, folder / f"{stem}-{files[key]}.png"))
-    if any(r["heldout"] for r in runs.values()):
+    if any(r.heldout for r in runs.values()):
         names.append(_heldout_plot(cfg, runs, folder / f"{stem}-heldout.png"))
     return names
 
 
-def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, dict], final: Path) -> str:
+def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, RunSummary], final: Path) -> str:
     """Held-out reward before, midway and after, per arm: mean over seeds, min–max bars."""
     import matplotlib.pyplot as plt
 
@@ -75,14 +76,14 @@ def _heldout_plot(cfg: StudyConfig, runs: dict[Cell, dict], final: Path) -> str:
     points = (("base", 0), ("mid", (cfg.steps + 1) // 2), ("final", cfg.steps))
     for ax, (fleet, k, arms) in zip(axes[0], panels):
         for i, arm in enumerate(arms):
-            rs = [r for r in cell_runs(runs, fleet, k, arm) if r["heldout"]]
+            rs = [r for r in cell_runs(runs, fleet, k, arm) if r.heldout]
             # a top-p arm: through its nucleus (solid), and from the full vocabulary (dashed)
             for suffix, style, label in (("", "-", arm),
                                          ("_full", "--", f"{arm}, full vocabulary")):
                 xs, mean, lo, hi = [], [], [], []
                 for key, step in points:
-                    vals = [r["heldout"][key + suffix] for r in rs
-                            if key + suffix in r["heldout"]]
+                    vals = [r.heldout[key + suffix] for r in rs
+                            if key + suffix in r.heldout]
                     if vals:
                         xs.append(step + (i - len(arms) / 2) * cfg.steps / 80)  # side by side
                         mean.append(sum(vals) / len(vals))

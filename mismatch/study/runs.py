@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .cells import Cell, StudyConfig
 
-__all__ = ["summarize_run", "replayed_alert", "cell_runs", "cell_panels", "WINDOW", "trailing", "ci95",
-           "share_ci", "lag_label"]
+__all__ = ["RunSummary", "summarize_run", "replayed_alert", "cell_runs", "cell_panels",
+           "WINDOW", "trailing", "ci95", "share_ci", "lag_label"]
 
 
 WINDOW = 5
@@ -67,32 +68,86 @@ def _heldout(run: Path) -> dict[str, float]:
     path = run / "eval.json"
     if not path.exists():
         return {}
-    ev = json.loads(path.read_text())
-    out = {k: ev[k]["reward"] for k in ("base", "final") if k in ev}
-    during = ev.get("during") or {}
-    if during:
-        out["mid"] = during[min(during, key=int)]["reward"]
-    full = ev.get("full_vocab") or {}
-    out.update({f"{k}_full": full[k]["reward"] for k in ("base", "final") if k in full})
-    if full.get("during"):
-        out["mid_full"] = full["during"][min(full["during"], key=int)]["reward"]
+    from mismatch.train.heldout import HeldOut
+
+    out: dict[str, float] = {}
+    ev = HeldOut.from_json(json.loads(path.read_text()))
+    for suffix, e in (("", ev), ("_full", ev.full_vocab)):
+        for name, score in (("base", e and e.base), ("mid", e and e.mid),
+                            ("final", e and e.final)):
+            if score is not None:
+                out[name + suffix] = score.reward
     return out
 
 
-def summarize_run(run: Path) -> dict[str, Any] | None:
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """One run of the study, as the report and the plots compare it (module docstring: the
+    definitions). Curves are per logged step; `_early` / `_end` are the first / last WINDOW
+    steps; `_at_collapse` looks up to WINDOW steps past the halving (the whole run if none)."""
+
+    steps: list[int]
+    reward: list[float]
+    """Training-batch reward per step."""
+    kl: list[float]
+    """KL k3 (sampler ‖ trainer) per step."""
+    format_error_rate: list[float]
+    accuracy: list[float]
+    """The reward's WINDOW-step trailing mean."""
+    base: float
+    """Mean reward of the first 3 steps (the halving's reference)."""
+    final: float
+    peak: float
+    kl_first: float
+    kl_mean: float
+    kl_early: float
+    """Median KL of the first WINDOW steps."""
+    kl_end: float
+    kl_max: float
+    """Highest WINDOW-step KL mean."""
+    kl_growth: float
+    kl_growth_at_collapse: float
+    format_end: float
+    format_max: float
+    format_at_collapse: float
+    format_early: float
+    format_ending_step: int | None
+    """First step where most episodes (WINDOW-step mean) end on format errors, ≥ 3× early."""
+    halved_step: int | None
+    """First step whose accuracy is half the base or below: the collapse test."""
+    first_critical: int | None
+    """The live monitor's first critical alert."""
+    critical_alerts: int
+    alert_signals: list[str]
+    group_kl_first: dict[str, float]
+    mis_masked_end: float
+    heldout: dict[str, float]
+    """base / mid / final held-out reward (and `_full` for a top-p arm's full vocabulary)."""
+    records: list[dict[str, Any]]
+    """metrics.jsonl as JSON objects, as the monitor replays any framework's log."""
+
+    @property
+    def last_step(self) -> int:
+        return self.steps[-1]
+
+
+def summarize_run(run: Path) -> RunSummary | None:
     """One run's curves and the figures the study compares (None if it logged nothing)."""
     from mismatch.train.rundir import read_metrics
 
-    recs = read_metrics(run / "metrics.jsonl")
-    if not recs:
+    from mismatch.train.record import StepRecord
+
+    raw = read_metrics(run / "metrics.jsonl")
+    if not raw:
         return None
+    recs = [StepRecord.from_json(r) for r in raw]
     alerts = read_metrics(run / "alerts.jsonl")
-    reward = [r["reward"] for r in recs]
-    kl = [r["kl"] for r in recs]
-    fmt = [r["format_error_rate"] for r in recs]
+    reward = [r.reward for r in recs]
+    kl = [r.kl for r in recs]
+    fmt = [r.format_error_rate for r in recs]
     acc = trailing(reward)
     base = sum(reward[:3]) / len(reward[:3])
-    halved = next((recs[i]["step"] for i, a in enumerate(acc)
+    halved = next((recs[i].step for i, a in enumerate(acc)
                    if i >= WINDOW - 1 and a <= 0.5 * base), None)
     critical = [a for a in alerts if a.get("severity") == "critical"]
     first_critical = min((a["step"] for a in critical), default=None)
@@ -104,29 +159,28 @@ def summarize_run(run: Path) -> dict[str, Any] | None:
     format_early = sum(fmt[:WINDOW]) / len(fmt[:WINDOW])
     # the format-error ending at any step: most episodes (5-step mean) ending on three replies
     # without a tool call, and 3× the run's first steps
-    format_ending = next((recs[i]["step"] for i, f in enumerate(trailing(fmt))
+    format_ending = next((recs[i].step for i, f in enumerate(trailing(fmt))
                           if i >= WINDOW - 1 and f >= max(0.5, 3 * format_early)), None)
-    return {
-        "steps": [r["step"] for r in recs], "reward": reward, "kl": kl,
-        "format_error_rate": fmt, "accuracy": acc,
-        "base": base, "final": sum(reward[end]) / len(reward[end]),
-        "peak": max(a for a in acc[WINDOW - 1:] or acc),
-        "kl_first": kl[0], "kl_mean": sum(kl) / len(kl), "kl_early": early_kl, "kl_end": sum(kl[end]) / len(kl[end]),
-        "kl_max": kl_max,
-        "kl_growth": (kl_max / early_kl) if early_kl > 0 else float("nan"),
-        "kl_growth_at_collapse": (max(trailing(kl)[:upto]) / early_kl) if early_kl > 0
+    return RunSummary(
+        steps=[r.step for r in recs], reward=reward, kl=kl,
+        format_error_rate=fmt, accuracy=acc,
+        base=base, final=sum(reward[end]) / len(reward[end]),
+        peak=max(a for a in acc[WINDOW - 1:] or acc),
+        kl_first=kl[0], kl_mean=sum(kl) / len(kl), kl_early=early_kl,
+        kl_end=sum(kl[end]) / len(kl[end]), kl_max=kl_max,
+        kl_growth=(kl_max / early_kl) if early_kl > 0 else float("nan"),
+        kl_growth_at_collapse=(max(trailing(kl)[:upto]) / early_kl) if early_kl > 0
         else float("nan"),
-        "format_end": sum(fmt[end]) / len(fmt[end]), "format_max": max(trailing(fmt)),
-        "format_at_collapse": max(trailing(fmt)[:upto]),
-        "format_early": format_early, "format_ending_step": format_ending,
-        "halved_step": halved, "first_critical": first_critical,
-        "critical_alerts": len(critical), "alert_signals": sorted({a["signal"] for a in critical}),
-        "group_kl_first": recs[0].get("group_kl", {}),
-        "mis_masked_end": sum(r.get("mis_masked_fraction", 0.0) for r in recs[end]) / len(
-            recs[end]),
-        "heldout": _heldout(run),
-        "records": recs,
-    }
+        format_end=sum(fmt[end]) / len(fmt[end]), format_max=max(trailing(fmt)),
+        format_at_collapse=max(trailing(fmt)[:upto]),
+        format_early=format_early, format_ending_step=format_ending,
+        halved_step=halved, first_critical=first_critical,
+        critical_alerts=len(critical), alert_signals=sorted({a["signal"] for a in critical}),
+        group_kl_first=recs[0].group_kl,
+        mis_masked_end=sum(r.mis_masked_fraction for r in recs[end]) / len(recs[end]),
+        heldout=_heldout(run),
+        records=raw,
+    )
 
 
 def replayed_alert(records: list[dict[str, Any]],
@@ -148,7 +202,8 @@ def replayed_alert(records: list[dict[str, Any]],
     return None
 
 
-def cell_runs(runs: dict[Cell, dict], fleet: str, k: int | None, arm: str) -> list[dict]:
+def cell_runs(runs: dict[Cell, RunSummary], fleet: str, k: int | None,
+              arm: str) -> list[RunSummary]:
     """The runs of one (fleet, staleness, arm) cell, by seed (k None: the on-policy control)."""
     return [runs[c] for c in sorted(runs, key=lambda c: c.seed)
             if (c.fleet, c.staleness, c.arm) == (fleet, k, arm)]
