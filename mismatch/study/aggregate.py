@@ -67,14 +67,14 @@ def _halving(rs: list[RunSummary], steps: int) -> str:
 
 def _complete(cfg: StudyConfig, runs: dict[Cell, RunSummary]) -> dict[Cell, RunSummary]:
     """The runs that reached the grid's steps: the claims are judged on these alone."""
-    return {c: r for c, r in runs.items() if r.steps[-1] >= cfg.steps}
+    return {c: r for c, r in runs.items() if r.last_step >= cfg.steps}
 
 
 def _verdicts(cfg: StudyConfig, runs: dict[Cell, RunSummary]) -> list[str]:
     """The study's claims, each answered from the runs (numbers and intervals, not adjectives)."""
     lines: list[str] = []
-    partial = sorted(f"{c.name} (step {r.steps[-1]})" for c, r in runs.items()
-                     if r.steps[-1] < cfg.steps)
+    partial = sorted(f"{c.name} (step {r.last_step})" for c, r in runs.items()
+                     if r.last_step < cfg.steps)
     started, runs = runs, _complete(cfg, runs)
     lines.append(f"Judged on the {len(runs)} run(s) that reached step {cfg.steps}"
                  + (f"; still running or stopped early, shown in the tables and curves only: "
@@ -242,9 +242,9 @@ def _monitor(runs: dict[Cell, RunSummary], steps: int) -> list[str]:
     collapsed = [(c, r) for c, r in runs.items() if r.halved_step is not None]
     # a run short of its steps that has not halved yet is not judged stable (nor a false alarm)
     stable = [(c, r) for c, r in runs.items() if r.halved_step is None
-              and r.steps[-1] >= steps]
+              and r.last_step >= steps]
     pending = sorted(c.name for c, r in runs.items() if r.halved_step is None
-                     and r.steps[-1] < steps)
+                     and r.last_step < steps)
     if collapsed:
         out += ["| run | reward halved at | first critical alert | lead (steps) | signals |",
                 "|---|---|---|---|---|"]
@@ -275,7 +275,7 @@ def _reference(runs: dict[Cell, RunSummary], cell: Cell, steps: int) -> Cell | N
     else the nearest other seed."""
     good = [c for c in runs if (c.fleet, c.staleness, c.arm) == (cell.fleet, cell.staleness,
                                                                   "sc+mis")
-            and c != cell and runs[c].halved_step is None and runs[c].steps[-1] >= steps]
+            and c != cell and runs[c].halved_step is None and runs[c].last_step >= steps]
     return min(good, key=lambda c: (abs(c.seed - cell.seed), c.seed), default=None)
 
 
@@ -293,7 +293,7 @@ def _known_good(runs: dict[Cell, RunSummary], steps: int) -> list[str]:
         if halved is not None and step is not None:
             leads.append(halved - step)
         silent += halved is not None and step is None
-        if halved is None and step is not None and r.steps[-1] >= steps:
+        if halved is None and step is not None and r.last_step >= steps:
             false_alarms.append(f"{c.name} at step {step}")
         lead = "–" if halved is None or step is None else str(halved - step)
         rows.append(f"| {c.name} | {ref.name} | {halved if halved is not None else '–'} | "
@@ -319,7 +319,7 @@ def _known_good(runs: dict[Cell, RunSummary], steps: int) -> list[str]:
 def _markdown(cfg: StudyConfig, runs: dict[Cell, RunSummary], figures: list[str], *, command: str,
               elapsed: float | None) -> str:
     missing = [c.name for c in cells(cfg) if c not in runs]
-    short = [c.name for c, r in runs.items() if r.steps[-1] < cfg.steps]
+    short = [c.name for c, r in runs.items() if r.last_step < cfg.steps]
     policy = ("the embedded model" if not cfg.policy_steps else
               f"a zoo policy trained {cfg.policy_steps} steps (`mismatch zoo build --steps "
               f"{cfg.policy_steps} --seed 0`; the embedded model is the same recipe at 1000)")
@@ -379,7 +379,7 @@ def _markdown(cfg: StudyConfig, runs: dict[Cell, RunSummary], figures: list[str]
             ho += " (full vocabulary: " + " → ".join(
                 f"{r.heldout[k]:.2f}" for k in ("base_full", "mid_full", "final_full")
                 if k in r.heldout) + ")"
-        out.append(f"| {c.name} | {r.steps[-1]} | {r.base:.2f} → {r.final:.2f} | {ho} "
+        out.append(f"| {c.name} | {r.last_step} | {r.base:.2f} → {r.final:.2f} | {ho} "
                    f"| {_steps_list([r.halved_step])} | "
                    f"{_steps_list([r.first_critical])} |")
     return "\n".join(out) + "\n"

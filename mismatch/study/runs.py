@@ -128,6 +128,7 @@ class RunSummary:
 
     @property
     def last_step(self) -> int:
+        """The last step the run logged."""
         return self.steps[-1]
 
 
