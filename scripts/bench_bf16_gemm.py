@@ -3,10 +3,11 @@ side by side in one process, interleaved (these machines are noisy: compare the 
 
     python scripts/bench_bf16_gemm.py [--repeats 3] [--out FILE]
 
-Three sections, each variant under `MISMATCH_BF16_GEMM=native` and `=fp32` in turn, one thread:
+Four sections, each variant under `MISMATCH_BF16_GEMM=native` and `=fp32` in turn, one thread:
 
 - GEMMs at the embedded model's shapes (and 1024³): GFLOP/s of torch's BF16 GEMM, of the
   rerouted one (cast up, FP32 GEMM, round) and of a plain FP32 GEMM;
+- attention: forward + backward of the trainer's causal SDPA at a 16 × 8 step's shape;
 - the trainer's step: `Trainer.step` (grpo) on one sampled 16 × 8 step of `mismatch train
   --preset homogeneous --sync --tasks arith` (scripts/bench_train_step.py samples it);
 - decode: 128 held-out prompts × up to 64 new tokens through the engine, the embedded model
@@ -62,6 +63,36 @@ def gemms() -> list[str]:
                    f"{res['fp32']:>15.1f}{res['plain fp32']:>9.1f}"
                    f"{res['fp32'] / res['native']:>9.2f}x")
     return out
+
+
+ATTENTION = (128, 4, 2, 294, 32)
+"""The trainer's attention in a 16 × 8 step: [B, heads, KV heads, T, head dim]."""
+
+
+def attention(repeats: int) -> list[str]:
+    """Forward + backward of the trainer's causal SDPA (CPU flash attention, GQA): torch's BF16
+    kernel vs the FP32 kernel on BF16 values (the reroute), seconds per call."""
+    import torch.nn.functional as F
+
+    from mismatch.kernels.bf16_gemm import bf16_gemms
+
+    b, h, kv, t, d = ATTENTION
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, t, d, generator=g).bfloat16() for n in (h, kv, kv))
+    grad = torch.randn(b, h, t, d, generator=g).bfloat16()
+
+    def run() -> float:
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        t0 = time.perf_counter()
+        with bf16_gemms():
+            F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
+                                           enable_gqa=True).backward(grad)
+        return time.perf_counter() - t0
+
+    med = _median_by_policy(run, repeats)
+    return [f"attention fwd+bwd [{b},{h}({kv} kv),{t},{d}] causal: native "
+            f"{med['native']:.3f} s, via fp32 {med['fp32']:.3f} s, speed-up "
+            f"{med['native'] / med['fp32']:.2f}x"]
 
 
 def _median_by_policy(run, repeats: int) -> dict[str, float]:
@@ -143,8 +174,11 @@ def decode(repeats: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sections", nargs="+", default=["gemm", "trainer", "decode"],
-                    choices=["gemm", "trainer", "decode"])
+    ap.add_argument("--sections", nargs="+", default=["gemm", "attention", "trainer", "decode"],
+                    choices=["gemm", "attention", "trainer", "decode"])
+    ap.add_argument("--no-onednn", action="store_true",
+                    help="torch.backends.mkldnn off: torch's BF16 GEMMs take their fallback "
+                    "path, a proxy on this CPU for one without AVX-512 (labeled in the output)")
     ap.add_argument("--out", type=Path, help="also write the lines to this file")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -153,10 +187,14 @@ def main() -> None:
 
     quiet_libraries()
     saved = os.environ.pop("MISMATCH_BF16_GEMM", None)
+    if args.no_onednn:
+        torch.backends.mkldnn.enabled = False
     lines = [f"# {cpu_line()}; torch {torch.__version__}, 1 thread; `auto` picks "
-             f"{bf16_gemm_policy()} here; median of {args.repeats} interleaved runs"]
+             f"{bf16_gemm_policy()} here; median of {args.repeats} interleaved runs"
+             + ("; oneDNN OFF (proxy: torch's fallback BF16 GEMM)" if args.no_onednn else "")]
     print(lines[0], flush=True)
-    for section, fn in (("gemm", gemms), ("trainer", lambda: trainer_step(args.repeats)),
+    for section, fn in (("gemm", gemms), ("attention", lambda: attention(args.repeats)),
+                        ("trainer", lambda: trainer_step(args.repeats)),
                         ("decode", lambda: decode(args.repeats))):
         if section in args.sections:
             for line in fn():

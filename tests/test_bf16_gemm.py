@@ -137,6 +137,50 @@ def test_a_model_step_under_either_policy_is_equally_close_to_float64():
         assert e32 < 2 * enat + 1e-3  # no worse than torch's own kernels
 
 
+def _attention(q, k, v, g, policy=None, **kw):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    with bf16_gemms(policy or "native"):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        out.backward(g)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_flash_attention_is_the_fp32_kernel_of_bf16_values_forward_and_backward():
+    """Rerouted CPU flash attention (SDPA's causal, unmasked path; the trainer's, GQA included) =
+    the FP32 kernel on the same values, each output and gradient rounded once to BF16, the
+    backward reading the output as autograd saved it (BF16) — bit for bit; and against float64
+    each is within BF16 rounding (relative error ≤ 2.5e-3, 2⁻⁹ ≈ 1.95e-3 being one rounding) and
+    no farther than torch's own BF16 kernel."""
+    q, k, v = _bf(3, 4, 97, 32), _bf(3, 2, 97, 32, seed=1), _bf(3, 2, 97, 32, seed=2)
+    g = _bf(3, 4, 97, 32, seed=3)
+    fp32 = _attention(q, k, v, g, "fp32", is_causal=True)
+    aten = torch.ops.aten
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(), v.float(),
+                                                                0.0, True)
+    grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g.float(), q.float(), k.float(), v.float(), out.to(BF).float(), lse, 0.0, True)
+    for got, want in zip(fp32, (out, *grads)):
+        assert got.dtype == BF and torch.equal(got, want.to(BF))
+    ref = _attention(q.double(), k.double(), v.double(), g.double(), is_causal=True)
+    native = _attention(q, k, v, g, "native", is_causal=True)
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), fp32, native, ref):
+        err = ((a.double() - r).norm() / r.norm()).item()
+        err_native = ((b.double() - r).norm() / r.norm()).item()
+        assert err < 2.5e-3 and err <= err_native * 1.05, (name, err, err_native)
+
+
+def test_masked_attention_is_left_to_torch():
+    """An explicit mask takes SDPA's other path, which the mode leaves as it is."""
+    q, k, v = _bf(2, 4, 40, 32), _bf(2, 2, 40, 32, seed=1), _bf(2, 2, 40, 32, seed=2)
+    g = _bf(2, 4, 40, 32, seed=3)
+    mask = torch.ones(40, 40, dtype=torch.bool).tril()
+    mask[:, :3] = False
+    mask[:3, 0] = True
+    for got, want in zip(_attention(q, k, v, g, "fp32", attn_mask=mask),
+                         _attention(q, k, v, g, "native", attn_mask=mask)):
+        assert torch.equal(got, want)
+
+
 def test_nested_blocks_and_native_policy():
     a, b = _bf(8, 16), _bf(16, 8, seed=1)
     with bf16_gemms("native") as rerouted:
@@ -189,7 +233,7 @@ def test_the_module_path_equals_the_dispatch_path_on_the_embedded_model():
     ids = torch.randint(3, 500, (3, 17), generator=torch.Generator().manual_seed(0))
     own = model.lm_head.forward = lambda x: torch.nn.functional.linear(x, model.lm_head.weight)
     with torch.no_grad():
-        with bf16_gemms("fp32"):
+        with bf16_gemms("fp32", attention=False):  # the module path leaves attention alone
             ref = model(input_ids=ids).logits
         with bf16_module_gemms(model, "fp32") as rerouted:
             assert rerouted

@@ -18,6 +18,19 @@ correctly rounded float64 product, the rest differ by one BF16 unit in the last 
 (tests/test_bf16_gemm.py checks it against float64 per shape). Everything else (attention,
 elementwise work, FP32 and FP16 products, CUDA tensors) runs as it would.
 
+Attention. Inside `bf16_gemms`, torch's CPU flash attention of BF16 tensors (the kernel SDPA
+takes for causal, unmasked attention: the trainer's step and the scorer; GQA included) runs
+likewise: the FP32 kernel on the BF16 values of q, k and v, its output rounded once to BF16, its
+log-sum-exp kept in FP32; the backward reads the BF16 output as autograd saved it and rounds each
+gradient once. torch's BF16 kernel instead computes its score blocks with BF16 GEMMs and rounds
+the softmax probabilities to BF16 before multiplying them by V (as FlashAttention-2 does on a
+GPU); the FP32 kernel keeps them in FP32, so it is closer to the float64 attention, not farther
+(tests/test_bf16_gemm.py: relative error 1.6–1.9e-3 against up to 4.6e-3 for the gradients at
+the trainer's shape, where one BF16 rounding is 2⁻⁹ ≈ 2e-3). On an AVX-512 core with
+AVX-512-BF16 it is 1.2× faster; where BF16 GEMMs take torch's fallback path, 3.9×
+(scripts/bench_bf16_gemm.py). A masked call takes SDPA's other path and is left alone, as is the
+module path below (its decode loops run the engine's own attention).
+
 The choice, once per process: `MISMATCH_BF16_GEMM=native` keeps torch's kernels, `fp32` always
 reroutes, `auto` (the default) reroutes unless the CPU has AVX-512-BF16 or AMX-BF16 (Linux's
 /proc/cpuinfo flags; elsewhere a one-off micro-benchmark of both paths decides).
@@ -115,17 +128,48 @@ def _up(x):
     return x.float() if isinstance(x, torch.Tensor) and x.dtype == _BF16 else x
 
 
+_FLASH = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_ATTENTION = {_FLASH: 3, _FLASH_BACKWARD: 5}
+"""torch's CPU flash attention (SDPA's causal and unmasked path), forward and backward → how many
+leading arguments are BF16 tensors (the backward's logsumexp, the 6th, is FP32 already)."""
+
 _GEMMS = {_aten.mm.default: 2, _aten.bmm.default: 2, _aten.mv.default: 2,
           _aten.addmm.default: 3, _aten.baddbmm.default: 3, _aten.addmv.default: 3,
           _aten._grouped_mm.default: 2}
 """The rerouted ATen GEMMs → how many leading arguments are the operands."""
 
 
+def _bf16_cpu(ts) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.dtype == _BF16 and t.device.type == "cpu"
+               for t in ts)
+
+
+def _fp32_attention(func, args, kwargs):
+    """CPU flash attention of BF16 tensors as the FP32 kernel on their values: each BF16 output
+    (the forward's output; the backward's gradients) rounded once to BF16, the FP32 logsumexp
+    kept (module docstring, "Attention")."""
+    n = _ATTENTION[func]
+    if kwargs.get("attn_mask") is not None or not _bf16_cpu(args[:n]):
+        return func(*args, **kwargs)
+    out = func(*[_up(a) for a in args[:n]], *args[n:], **kwargs)
+    if func is _FLASH:
+        return out[0].to(_BF16), out[1]
+    return tuple(g.to(_BF16) for g in out)
+
+
 class FP32Accumulation(TorchDispatchMode):
-    """Inside: a BF16 GEMM on CPU tensors runs as the FP32 GEMM of its values, rounded to BF16."""
+    """Inside: a BF16 GEMM on CPU tensors runs as the FP32 GEMM of its values, rounded to BF16;
+    so does torch's CPU flash attention, forward and backward (unless `attention=False`)."""
+
+    def __init__(self, attention: bool = True) -> None:
+        super().__init__()
+        self.attention = attention
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.attention and func in _ATTENTION:
+            return _fp32_attention(func, args, kwargs)
         n = _GEMMS.get(func)
         if n is not None and kwargs.get("out_dtype") in (None, _BF16):
             operands = args[:n]
@@ -137,15 +181,16 @@ class FP32Accumulation(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def bf16_gemms(policy: str | None = None) -> Iterator[bool]:
-    """Run the block's BF16 CPU GEMMs as FP32 GEMMs of BF16 values where the CPU's BF16 GEMM is
-    slow (`policy`: 'fp32' or 'native'; default `bf16_gemm_policy()`). Yields whether it
-    reroutes. Nested use is free: an enclosing block already rerouting is kept."""
+def bf16_gemms(policy: str | None = None, *, attention: bool = True) -> Iterator[bool]:
+    """Run the block's BF16 CPU GEMMs (and, with `attention`, its CPU flash attention) in FP32
+    on BF16 values where the CPU's BF16 GEMM is slow (`policy`: 'fp32' or 'native'; default
+    `bf16_gemm_policy()`). Yields whether it reroutes. Nested use is free: an enclosing block
+    already rerouting is kept."""
     policy = _policy(policy, "bf16_gemms")
     if policy == "native" or _active():
         yield policy == "fp32"
         return
-    with FP32Accumulation():
+    with FP32Accumulation(attention):
         yield True
 
 
