@@ -213,6 +213,14 @@ def test_policy_from_the_environment_and_the_cpu(monkeypatch):
         monkeypatch.setattr(bg, "_cpu_flags", lambda flags=flags: flags)
         assert bf16_gemm_policy() == policy
     bg.cpu_has_fast_bf16.cache_clear()
+    monkeypatch.setattr(bg, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    for isa, policy in (("avx2", "fp32"), ("AVX512_CORE", "fp32"), ("AVX512_CORE_BF16", "native"),
+                        ("ALL", "native")):  # oneDNN capped below its BF16 instructions: slow
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        bg.cpu_has_fast_bf16.cache_clear()
+        assert bf16_gemm_policy() == policy, isa
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    bg.cpu_has_fast_bf16.cache_clear()
     monkeypatch.setattr(bg, "_cpu_flags", lambda: None)  # no /proc/cpuinfo: measure
     monkeypatch.setattr(bg, "_benchmark_prefers_native", lambda: True)
     assert bf16_gemm_policy() == "native"

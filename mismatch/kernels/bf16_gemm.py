@@ -33,7 +33,10 @@ module path below (its decode loops run the engine's own attention).
 
 The choice, once per process: `MISMATCH_BF16_GEMM=native` keeps torch's kernels, `fp32` always
 reroutes, `auto` (the default) reroutes unless the CPU has AVX-512-BF16 or AMX-BF16 (Linux's
-/proc/cpuinfo flags; elsewhere a one-off micro-benchmark of both paths decides).
+/proc/cpuinfo flags; elsewhere a one-off micro-benchmark of both paths decides) and oneDNN is not
+capped below them (`ONEDNN_MAX_CPU_ISA=AVX2`, with `ATEN_CPU_CAPABILITY=avx2`, makes a CPU with
+AVX-512-BF16 compute BF16 GEMMs as slowly as an AVX2-only one: 0.8 GFLOP/s at 1024³ on an AMD
+EPYC core; the benchmarks use it to measure that case).
 
 The cost: a Python dispatch per tensor operation inside the block (~20–40 µs each). A training
 step or a scoring pass pays it back many times over; they use `bf16_gemms` (the trainer's step,
@@ -97,9 +100,19 @@ def _benchmark_prefers_native(size: int = 256, seconds: float = 0.05) -> bool:
     return native >= fp32
 
 
+SLOW_BF16_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                  "AVX512_CORE_VNNI")
+"""`ONEDNN_MAX_CPU_ISA` caps under which oneDNN has no BF16 dot-product instructions to use
+(the ISA names of oneDNN's "CPU Dispatcher Control" guide): torch's BF16 GEMM then takes its
+slow path whatever the CPU has."""
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU runs BF16 GEMMs natively fast (AVX-512-BF16 or AMX-BF16)."""
+    """Whether this CPU runs BF16 GEMMs natively fast (AVX-512-BF16 or AMX-BF16, and oneDNN not
+    capped below them by `ONEDNN_MAX_CPU_ISA`)."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in SLOW_BF16_ISAS:
+        return False
     flags = _cpu_flags()
     if flags is not None:
         return any(f in flags for f in FAST_BF16_FLAGS)
