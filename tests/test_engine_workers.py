@@ -1,4 +1,5 @@
-"""Sampler worker processes: calls, shared weights, a worker killed mid-call, training through them."""
+"""Sampler worker processes: calls, shared weights, a worker killed mid-call, training through
+them, pausing them for the trainer's step."""
 
 from __future__ import annotations
 
@@ -123,3 +124,85 @@ def test_training_through_sampler_processes_matches_in_process_sampling(tmp_path
                                                           abs=1e-6)
         assert a["group_kl"] == pytest.approx(b["group_kl"], rel=0.1, abs=1e-5)
     assert all(r["sampler_restarts"] == 0 for r in records[2])
+
+
+def _busy_count(path: str, seconds: float) -> int:
+    """Count up for `seconds` of wall time, writing the count as it goes."""
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        n += 1
+        if n % 1000 == 0:
+            Path(path).write_text(str(n))
+    return n
+
+
+def _state(pid: int) -> str:
+    """The kernel's one-letter state of a process (R running, S sleeping, T stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_paused_workers_stop_and_continue_and_their_calls_complete(pool, tmp_path):
+    """`paused` stops every worker process for the block (SIGSTOP: the kernel shows them
+    stopped, a call in flight makes no progress) and continues them after; the call completes."""
+    marker = tmp_path / "count"
+    result = []
+    caller = threading.Thread(target=lambda: result.append(
+        pool.call(_busy_count, str(marker), 1.5)))
+    caller.start()
+    while not marker.exists():
+        time.sleep(0.02)
+    with pool.paused():
+        assert {_state(pid) for pid in pool.pids()} == {"T"}
+        before = marker.read_text()
+        time.sleep(0.3)
+        assert marker.read_text() == before
+    assert "T" not in {_state(pid) for pid in pool.pids()}
+    caller.join(timeout=30)
+    assert result and result[0] > 0
+    assert pool.call(_whoami, 3)[0] == 6
+
+
+def test_the_async_core_handoff_only_where_samplers_fill_every_core(monkeypatch):
+    """An asynchronous run pauses its samplers during the trainer's step (which then takes every
+    core) only when sampler processes fill the cores; a free core, threads or lockstep: never."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import mismatch.engines.workers as workers
+    from mismatch.train.loop import _core_handoff
+
+    monkeypatch.setattr(workers, "default_processes", lambda: 2)
+    fake_pool = SimpleNamespace(size=2, paused="the pool's pause")
+    for lockstep, pool, cores_free, want in ((False, fake_pool, False, "the pool's pause"),
+                                             (True, fake_pool, False, None),
+                                             (False, None, False, None),
+                                             (False, SimpleNamespace(size=1, paused="x"), True,
+                                              None)):
+        trainer = SimpleNamespace(threads=None)
+        got = _core_handoff(SimpleNamespace(lockstep=lockstep), SimpleNamespace(pool=pool),
+                            trainer)
+        if want is None:
+            assert got is contextlib.nullcontext and trainer.threads is None
+        else:
+            assert got == want and trainer.threads == 2
+
+
+def test_an_async_run_with_samplers_on_every_core_pauses_them_and_says_so(tmp_path, caplog):
+    """Two asynchronous steps with two sampler processes on a machine (or affinity) of two
+    cores or fewer: the log says the samplers pause while the trainer steps, and the run ends
+    with both workers alive (continued after each step)."""
+    import logging
+
+    from mismatch.train.config import TrainConfig
+    from mismatch.train.loop import run
+    from mismatch.train.rundir import read_metrics
+
+    cores = len(os.sched_getaffinity(0))
+    cfg = TrainConfig(fleet="homogeneous", correction="grpo", steps=2, prompts_per_step=4,
+                      samples_per_prompt=4, max_turns=2, max_new_tokens=32, candidates=16,
+                      sampler_processes=max(2, cores), checkpoint_every=5, threads=1)
+    with caplog.at_level(logging.INFO, logger="mismatch.train"):
+        run(cfg, tmp_path / "run", log_alerts=False)
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert any("samplers pause while it steps" in r.getMessage() for r in caplog.records)

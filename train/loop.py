@@ -65,6 +65,10 @@ class RunResult:
     eval_tasks > 0; "during" with eval_every > 0)."""
 
 
+LOGS = ("metrics.jsonl", "alerts.jsonl", "eval.json")
+"""A run's logs in its directory: the step records, the monitor's alerts, the held-out scores."""
+
+
 class LocalBackend:
     """The trainer in this process; samplers in its worker threads, or (cfg.sampler_processes)
     in worker processes of one torch thread each, fed weights through shared memory
@@ -103,8 +107,9 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
     """Train `cfg.steps` steps into `out` (see the module docstring). `stop_on`: end the run,
     with a checkpoint, on the first alert of that severity or worse. `monitor_config`: the
     collapse monitor's rules (probes.monitor.MonitorConfig; its defaults otherwise, with
-    `masked_loss` from the correction). `backend`: where the samplers and the trainer run (LocalBackend when None;
-    train.ray_backend.RayBackend for Ray actors). The run owns it: it is closed at the end."""
+    `masked_loss` from the correction). `backend`: where the samplers and the trainer run
+    (LocalBackend when None; train.ray_backend.RayBackend for Ray actors). The run owns it: it
+    is closed at the end."""
     backend = backend or LocalBackend()
     try:
         if stop_on not in (None, "warning", "critical"):
@@ -196,10 +201,31 @@ def _take_units(pipe, cfg: TrainConfig, step: int) -> tuple[list[Unit], int]:
     return units, stale_dropped
 
 
+def _core_handoff(cfg: TrainConfig, pipe, trainer) -> Callable[[], Any]:
+    """What the trainer's step runs under in an asynchronous run. With sampler processes on every
+    core there is no core to overlap the step with: three busy parties on two cores made the
+    step slower than `--sync`'s, where the samplers wait and the trainer takes their threads.
+    Then the samplers pause (SIGSTOP) while the trainer steps on every core, and sample ahead
+    (to the staleness bound) the rest of the time; said once in the log. Otherwise (a free core,
+    sampler threads, Ray, lockstep modes) nothing changes."""
+    import contextlib
+
+    from mismatch.engines.workers import default_processes
+
+    pool = getattr(pipe, "pool", None)
+    cores = default_processes()
+    if cfg.lockstep or pool is None or pool.size < cores:
+        return contextlib.nullcontext
+    trainer.threads = cores
+    log.info("asynchronous on %d cores with %d sampler processes: no core is free to overlap "
+             "the trainer's step with sampling, so the samplers pause while it steps on all %d "
+             "cores and sample ahead the rest of the time", cores, pool.size, cores)
+    return pool.paused
+
+
 def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, model, tokenizer,
          progress, log_alerts, monitor_config) -> RunResult:
-    metrics_path, alerts_path, eval_path = (out / n for n in ("metrics.jsonl", "alerts.jsonl",
-                                                               "eval.json"))
+    metrics_path, alerts_path, eval_path = (out / n for n in LOGS)
     trainer = backend.trainer(model, cfg)
     step, next_unit, discarded, history, state = _restore(cfg, out, ckpt, trainer)
     write_json(out / "config.json", asdict(cfg))
@@ -213,9 +239,9 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     result = RunResult(out=out, steps_done=step, resumed_from=step if ckpt else None,
                        discarded_units=discarded)
-    consumed_max = next_unit - 1
-    consumed_total = next_unit
+    consumed_max, consumed_total = next_unit - 1, next_unit
     pipe.start()
+    handoff = _core_handoff(cfg, pipe, trainer)
     try:
         with open(metrics_path, "a") as mfile:
             steplog = _StepLog(mfile, monitor, result, progress, backend.name,
@@ -228,7 +254,8 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
                 depth = pipe.results.qsize()
                 t1 = time.perf_counter()
                 batch = build_batch(units, step, pad_id)
-                m = trainer.step(batch)
+                with handoff():
+                    m = trainer.step(batch)
                 step += 1
                 publisher.publish(step, trainer.published())
                 consumed_total += len(units)

@@ -13,26 +13,30 @@ and runs calls of module-level functions in them:
   without a copy on the wire (a worker copies it into its model once per version). Results come
   back as one plain pickle (tensors as bytes): a worker never holds the trainer's memory.
 - **Faults.** A worker dies with the process that started it (Linux: its parent-death signal),
-  so a killed trainer leaves no sampler behind. A call waits on its worker's pipe and on the process itself. A worker that dies
-  mid-call (killed, out of memory, a crash in native code) is restarted and the call sent again
-  — the call must be deterministic in its arguments, as seeded rollouts are — up to
+  so a killed trainer leaves no sampler behind. A call waits on its worker's pipe and on the
+  process itself. A worker that dies mid-call (killed, out of memory, a crash in native code) is
+  restarted and the call sent again — the call must be deterministic in its arguments, as
+  seeded rollouts are — up to
   `max_restarts` times in the pool's life; then the call raises `WorkerError` naming the worker,
   its exit code and the call. An exception raised by the function itself is re-raised in the
   caller with the worker's traceback text. Nothing waits for ever.
 
 Calls from several threads run in parallel, one per idle worker (`call` blocks until a worker is
-free); `map` spreads a list of calls over the pool.
+free); `map` spreads a list of calls over the pool; `paused` stops every worker for a block
+(its cores go to the caller: the trainer's step in an asynchronous run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 __all__ = ["WorkerPool", "WorkerError", "worker_state", "default_processes"]
 
@@ -230,6 +234,27 @@ class WorkerPool:
 
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stop every worker process (SIGSTOP) for the block and continue them after, whatever
+        the block raises: their cores are free for the caller meanwhile, and a call in flight
+        just takes longer. A worker killed meanwhile is found dead by its call, as always."""
+        stopped = []
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        try:
+            yield
+        finally:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
     def close(self) -> None:
         with self._lock:
