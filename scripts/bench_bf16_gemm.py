@@ -14,6 +14,8 @@ Four sections, each variant under `MISMATCH_BF16_GEMM=native` and `=fp32` in tur
   unemulated (its BF16 kernels) and as the emulated B200 BF16 sampler.
 
 The first line names the CPU and its BF16-relevant extensions and the policy `auto` picks here.
+`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python scripts/bench_bf16_gemm.py` measures a
+CPU without fast BF16 on one that has it (the first line then says oneDNN is capped).
 """
 
 from __future__ import annotations
@@ -176,9 +178,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sections", nargs="+", default=["gemm", "attention", "trainer", "decode"],
                     choices=["gemm", "attention", "trainer", "decode"])
-    ap.add_argument("--no-onednn", action="store_true",
-                    help="torch.backends.mkldnn off: torch's BF16 GEMMs take their fallback "
-                    "path, a proxy on this CPU for one without AVX-512 (labeled in the output)")
     ap.add_argument("--out", type=Path, help="also write the lines to this file")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -187,11 +186,8 @@ def main() -> None:
 
     quiet_libraries()
     saved = os.environ.pop("MISMATCH_BF16_GEMM", None)
-    if args.no_onednn:
-        torch.backends.mkldnn.enabled = False
     lines = [f"# {cpu_line()}; torch {torch.__version__}, 1 thread; `auto` picks "
-             f"{bf16_gemm_policy()} here; median of {args.repeats} interleaved runs"
-             + ("; oneDNN OFF (proxy: torch's fallback BF16 GEMM)" if args.no_onednn else "")]
+             f"{bf16_gemm_policy()} here; median of {args.repeats} interleaved runs"]
     print(lines[0], flush=True)
     for section, fn in (("gemm", gemms), ("attention", lambda: attention(args.repeats)),
                         ("trainer", lambda: trainer_step(args.repeats)),

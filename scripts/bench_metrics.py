@@ -18,6 +18,7 @@ it). Writes the table into reports/benchmarks.md, section "Metrics vs verl" (rep
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -58,8 +59,11 @@ def cpu_line() -> str:
             if f in flags]
     amx = "AMX present" if "amx_tile" in flags else "no AMX"
     avx512 = "AVX-512 present" if "avx512f" in flags else "no AVX-512"
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    capped = (f"; oneDNN capped at ONEDNN_MAX_CPU_ISA={isa} (BF16 GEMMs as on a CPU without "
+              f"those extensions)" if isa else "")
     return (f"{model}; {avx512}, {amx} (flags: {' '.join(have) or 'none of avx2/avx512/amx'}); "
-            f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
+            f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}{capped}")
 
 
 def inputs(b: int, t: int, seed: int = 0) -> dict:
