@@ -153,10 +153,17 @@ def test_paused_workers_stop_and_continue_and_their_calls_complete(pool, tmp_pat
     while not marker.exists():
         time.sleep(0.02)
     with pool.paused():
+        deadline = time.perf_counter() + 5  # a signal is delivered soon, not at once
+        while {_state(pid) for pid in pool.pids()} != {"T"} and time.perf_counter() < deadline:
+            time.sleep(0.01)
         assert {_state(pid) for pid in pool.pids()} == {"T"}
+        time.sleep(0.05)
         before = marker.read_text()
         time.sleep(0.3)
         assert marker.read_text() == before
+    deadline = time.perf_counter() + 5
+    while "T" in {_state(pid) for pid in pool.pids()} and time.perf_counter() < deadline:
+        time.sleep(0.01)
     assert "T" not in {_state(pid) for pid in pool.pids()}
     caller.join(timeout=30)
     assert result and result[0] > 0
@@ -206,3 +213,23 @@ def test_an_async_run_with_samplers_on_every_core_pauses_them_and_says_so(tmp_pa
         run(cfg, tmp_path / "run", log_alerts=False)
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
     assert any("samplers pause while it steps" in r.getMessage() for r in caplog.records)
+
+
+def test_a_claim_is_spread_over_the_processes_its_thread_has_to_itself():
+    """Lockstep: the step's one claim over every sampler process. Asynchronous: one sampler
+    thread per process claims its own share, which stays whole (halving it again made batches
+    half as large and the step slower than --sync's)."""
+    from types import SimpleNamespace
+
+    from mismatch.train.pipeline import _spread, spread_width
+
+    for lockstep, workers, processes, want in ((True, 1, 2, 2), (True, 1, 4, 4),
+                                               (False, 1, 2, 1), (False, 2, 2, 1),
+                                               (False, 1, 1, 1)):
+        cfg = SimpleNamespace(lockstep=lockstep, workers=workers)
+        assert spread_width(cfg, processes) == want
+    share = [[(u, "g") for u in range(8)]]
+    assert [len(b) for b in _spread(share, spread_width(
+        SimpleNamespace(lockstep=False, workers=1), 2))] == [8]
+    assert [len(b) for b in _spread(share, spread_width(
+        SimpleNamespace(lockstep=True, workers=1), 2))] == [4, 4]

@@ -37,7 +37,7 @@ from .config import TrainConfig
 from .fleet import Router, SamplerGroup
 from .unit_sampling import model_at, sample_in_worker, sample_units, split_units
 
-__all__ = ["Publisher", "Pipeline", "by_group"]
+__all__ = ["Publisher", "Pipeline", "by_group", "spread_width"]
 
 
 class Publisher:
@@ -88,6 +88,17 @@ def _spread(batches: list[list], n: int) -> list[list]:
         half = len(out[big]) // 2
         out[big:big + 1] = [out[big][:half], out[big][half:]]
     return out
+
+
+def spread_width(cfg, processes: int) -> int:
+    """Over how many sampler processes one claim's batch is split. Lockstep: one thread claims
+    the whole step, so over all of them. Asynchronous: each sampler thread claims its own share
+    (`Pipeline._chunk`) and has `processes` / threads of them to itself; splitting its share
+    again would sample in batches half as large, and slower (an asynchronous step measured
+    0.79–0.86× of `--sync`'s before, ~1.0× after: reports/benchmarks.md)."""
+    if cfg.lockstep:
+        return processes
+    return max(1, processes // max(cfg.workers, processes))
 
 
 def by_group(claims: list[tuple[int, SamplerGroup]]) -> list[list[tuple[int, SamplerGroup]]]:
@@ -228,7 +239,7 @@ class Pipeline:
         done: list[Unit] = []
         n = self.cfg.samples_per_prompt
         if self.pool is not None:
-            batches = _spread(batches, self.pool.size)
+            batches = _spread(batches, spread_width(self.cfg, self.pool.size))
             calls = [(self.cfg, [g for _, g in batch], [u for u, _ in batch], version, weights)
                      for batch in batches]
             for batch, (eps, dt) in zip(batches, self.pool.map(sample_in_worker, calls)):

@@ -27,7 +27,7 @@ the softmax probabilities to BF16 before multiplying them by V (as FlashAttentio
 GPU); the FP32 kernel keeps them in FP32, so it is closer to the float64 attention, not farther
 (tests/test_bf16_gemm.py: relative error 1.6–1.9e-3 against up to 4.6e-3 for the gradients at
 the trainer's shape, where one BF16 rounding is 2⁻⁹ ≈ 2e-3). On an AVX-512 core with
-AVX-512-BF16 it is 1.2× faster; where BF16 GEMMs take torch's fallback path, 3.9×
+AVX-512-BF16 it is 1.2× faster; where BF16 GEMMs take torch's fallback path, 3.6–3.9×
 (scripts/bench_bf16_gemm.py). A masked call takes SDPA's other path and is left alone, as is the
 module path below (its decode loops run the engine's own attention).
 
