@@ -225,6 +225,9 @@ def main() -> None:
         plan = json.loads((runs / "plan.json").read_text())
     except (OSError, ValueError) as exc:
         raise SystemExit(f"{runs}: needs study.json and plan.json ({exc})") from None
+    # a fleet file named by a path of the machine that ran the grid: the copy beside the runs
+    raw["fleets"] = [f if not f.endswith(".toml") or Path(f).is_file() else str(runs / Path(f).name)
+                     for f in raw["fleets"]]
     fields = StudyConfig.__dataclass_fields__
     cfg = StudyConfig(**{k: tuple(v) if isinstance(v, list) else v
                          for k, v in raw.items() if k in fields})
