@@ -160,6 +160,35 @@ def _fmt_ci(vals: list[float], digits: str = ".3f") -> str:
     return f"{mean:{digits}}" + ("" if math.isnan(half) else f" ± {half:{digits}}")
 
 
+def _reading(rows: list[dict], per_step: dict[str, float]) -> list[str]:
+    """What the table says, in the figures of these runs."""
+    fleets = list(per_step)
+    if not {"planned", "L0", "L2"} <= set(fleets):
+        return []
+    final = {f: ci95([r["summary"].heldout.get("final", float("nan")) for r in rows
+                      if r["fleet"] == f])[0] for f in fleets}
+    runs = {f: sum(r["fleet"] == f for r in rows) for f in fleets}
+    collapsed = sum(r["summary"].halved_step is not None for r in rows)
+    return [
+        f"Reading it: the planned fleet sampled for {1 - per_step['planned'] / per_step['L0']:.1%}"
+        f" less per step than homogeneous B200 BF16 samplers (L0) and ended at a held-out reward"
+        f" of {final['planned']:.3f} against L0's {final['L0']:.3f} and L2's {final['L2']:.3f}"
+        f" (the intervals overlap: {runs['planned']} seeds each cannot tell them apart). "
+        f"{collapsed} of {len(rows)} runs collapsed. The study's equal-share mix (L2) sampled "
+        f"for {1 - per_step['L2'] / per_step['L0']:.1%} less than L0 — the study reports ~15% — "
+        "but its token-weighted KL is several times the plan's budget: it held here because "
+        "SC+MIS corrects it, which is what the budget buys insurance against. The planner's "
+        "price per token is that of the served model the plan was made for (the fleet file's "
+        "[model] config in the throughput model: Qwen3-30B-A3B for "
+        "examples/plan/study-fleet.toml) applied to this project's policy's tokens; the "
+        "L0 seed-0 run is bit-for-bit the study's own (same policy, same code path), while "
+        "L2's seed 0 differs from the study's since mixed batches share an engine batch "
+        "(lanes), a change of kernel order that any rerun on new code shows.",
+        "",
+        "The study's own report and curves of these runs: `mismatch study --out "
+        "reports/plan-fleet-runs --report-only --report FILE` (run from the repository's root)."]
+
+
 def report(rows: list[dict], cfg, plan: dict, runs: Path, figure: str) -> str:
     order = list(dict.fromkeys(r["fleet"] for r in rows))
     out = ["# The planned fleet in training, beside L0 and L2 (`mismatch plan` → "
@@ -195,6 +224,7 @@ def report(rows: list[dict], cfg, plan: dict, runs: Path, figure: str) -> str:
             f"{_fmt_ci([r['cost_per_step'] for r in rs], '.5f')} | "
             f"{vs_l0} | "
             f"{_fmt_ci([r['cost'] for r in rs], '.3f')} |")
+    out += ["", *_reading(rows, per_step)]
     out += ["", "Means with 95% t-intervals over seeds; collapsed: the training reward's 5-step "
             "mean fell to half its first 3 steps' (the study's test), with a 95% "
             "Clopper–Pearson interval.", "", f"![held-out reward against sampling cost]"
