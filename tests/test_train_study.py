@@ -208,6 +208,10 @@ def test_a_new_machine_adopts_the_finished_runs_of_an_export(ci_study, tmp_path)
     for name in ("metrics.jsonl", "eval.json", "config.json"):
         assert (adopted / name).read_bytes() == (out / adopted.name / name).read_bytes()
     assert not (rerun / "adopted.json").exists() and (rerun / "final").is_dir()
+    reexported = tmp_path / "reexported"  # the marker travels with an export of the new grid
+    export_logs(STUDY_PRESETS["ci"](), new, reexported)
+    assert (reexported / adopted.name / "adopted.json").is_file()
+    assert not (reexported / rerun.name / "adopted.json").exists()
     keys = ("step", "reward", "kl", "grad_norm")
     assert ([[r[k] for k in keys] for r in read_metrics(rerun / "metrics.jsonl")]
             == [[r[k] for k in keys] for r in read_metrics(out / rerun.name / "metrics.jsonl")])

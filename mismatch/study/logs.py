@@ -37,10 +37,11 @@ def steps_logged(run: Path) -> int:
 
 
 def export_logs(cfg, out: Path, dest: Path) -> list[str]:
-    """Copy OUT/study.json and every run's logs (`LOGS`) into `dest` (each file written to a
-    temporary name and renamed), so that `--report-only --out DEST` rebuilds the report without
-    the checkpoints. A run that logged fewer steps than `dest` already holds of it (a rerun
-    still behind an earlier export) is left out. Returns the runs copied."""
+    """Copy OUT/study.json and every run's logs (`LOGS`, and an adopted run's marker) into `dest`
+    (each file written to a temporary name and renamed), so that `--report-only --out DEST`
+    rebuilds the report without the checkpoints. A run that logged fewer steps than `dest`
+    already holds of it (a rerun still behind an earlier export) is left out. Returns the runs
+    copied."""
     out, dest = Path(out), Path(dest)
     if not (out / "study.json").is_file():
         raise ValueError(f"{out} holds no study (no study.json); run it first")
@@ -52,7 +53,7 @@ def export_logs(cfg, out: Path, dest: Path) -> list[str]:
         if steps_logged(run) < steps_logged(dest / cell.name):
             continue
         (dest / cell.name).mkdir(parents=True, exist_ok=True)
-        for name in LOGS:
+        for name in (*LOGS, ADOPTED):  # an adopted run says so in the export too
             if (run / name).is_file():
                 with atomic_path(dest / cell.name / name) as tmp:
                     shutil.copyfile(run / name, tmp)
