@@ -153,9 +153,12 @@ _GEMMS = {_aten.mm.default: 2, _aten.bmm.default: 2, _aten.mv.default: 2,
 """The rerouted ATen GEMMs → how many leading arguments are the operands."""
 
 
+def _is_bf16_cpu(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == _BF16 and t.device.type == "cpu"
+
+
 def _bf16_cpu(ts) -> bool:
-    return all(isinstance(t, torch.Tensor) and t.dtype == _BF16 and t.device.type == "cpu"
-               for t in ts)
+    return all(_is_bf16_cpu(t) for t in ts)
 
 
 def _fp32_attention(func, args, kwargs):
@@ -186,8 +189,7 @@ class FP32Accumulation(TorchDispatchMode):
         n = _GEMMS.get(func)
         if n is not None and kwargs.get("out_dtype") in (None, _BF16):
             operands = args[:n]
-            if all(isinstance(t, torch.Tensor) and t.dtype == _BF16 and t.device.type == "cpu"
-                   for t in operands if t is not None):
+            if _bf16_cpu(t for t in operands if t is not None):
                 out = func(*[_up(a) for a in args], **{k: _up(v) for k, v in kwargs.items()})
                 return out.to(_BF16)
         return func(*args, **kwargs)
@@ -223,10 +225,6 @@ def _fp32_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _under_mode(forward, *args, **kwargs):
     with FP32Accumulation():
         return forward(*args, **kwargs)
-
-
-def _is_bf16_cpu(p: torch.Tensor) -> bool:
-    return p.dtype == _BF16 and p.device.type == "cpu"
 
 
 @contextlib.contextmanager
