@@ -9,10 +9,12 @@ transformers and points the model's config at it, restoring the previous one in 
 
 The active block is per thread (sampler threads of one process may emulate different groups at
 once). `lane_attention` is the block of several lanes (lanes.py): each lane's batch rows attend
-with their own family, and only the positions of FP8-cache lanes are rounded as stored. An FP8 KV cache rounds keys and values as they are stored: the engine's cache
-(kv_cache.SlotCache) rounds each new position once when it is written (`kv_store_rounding`) and
-marks what it hands attention as already rounded (`mark_rounded`), so attention does not round
-the whole cache again at every decode step; keys and values from anywhere else are rounded here.
+with their own family (lanes with the same family and cache format in one call), and only the
+positions of FP8-cache lanes are rounded as stored. An FP8 KV cache rounds keys and values as
+they are stored: the engine's cache (kv_cache.SlotCache) rounds each new position once when it
+is written (`kv_store_rounding`) and marks what it hands attention as already rounded
+(`mark_rounded`), so attention does not round the whole cache again at every decode step; keys
+and values from anywhere else are rounded here.
 The FP8 round trip is idempotent, so the numbers are the same either way, bit for bit.
 """
 
@@ -46,6 +48,7 @@ class _Lanes:
 
     def __init__(self, lanes: list[tuple[KernelFamily | None, bool]]) -> None:
         self.lanes = lanes
+        self._parts: tuple | None = None  # (rows_by_lane() it was made from, its merge)
         self.fp8 = {i for i, (_, kv_fp8) in enumerate(lanes) if kv_fp8}
         if not self.fp8:
             self.rounding = None
@@ -68,6 +71,22 @@ class _Lanes:
         out = written.clone()
         out[pick] = quantize_kv(written[pick])
         return out
+
+
+    def parts(self) -> list[tuple[tuple[KernelFamily | None, bool], torch.Tensor]]:
+        """The current forward's [((family, FP8 KV), batch rows)]: lanes that attend alike (one
+        kernel family, one cache format: e.g. an FP8 and a BF16 sampler on the same GPU) in one
+        call, since each row's attention reads only its own row. Cached per forward."""
+        lanes = rows_by_lane()
+        if self._parts is not None and self._parts[0] is lanes:
+            return self._parts[1]
+        by: dict[tuple, list[torch.Tensor]] = {}
+        for lane, rows in lanes:
+            by.setdefault(self.lanes[lane], []).append(rows)
+        merged = [(entry, rows[0] if len(rows) == 1 else torch.cat(rows).sort().values)
+                  for entry, rows in by.items()]
+        self._parts = (lanes, merged)
+        return merged
 
 
 def _stack() -> list:
@@ -139,8 +158,7 @@ def _emulated_attention(module, query, key, value, attention_mask, dropout=0.0, 
     b, h, tq, _ = query.shape
     out = query.new_empty(b, tq, h, value.shape[-1])
     per_row = attention_mask is not None and attention_mask.shape[0] == b and b > 1
-    for lane, rows in parts:
-        family, kv_fp8 = top.lanes[lane]
+    for (family, kv_fp8), rows in top.parts():
         mask = attention_mask.index_select(0, rows) if per_row else attention_mask
         out[rows] = _attend(query.index_select(0, rows), key.index_select(0, rows),
                             value.index_select(0, rows), mask, scaling, family, kv_fp8, rounded)
