@@ -52,8 +52,9 @@ from mismatch.registry import add_once
 
 from .errors import QuantizeError
 
-__all__ = ["Accumulation", "ACCUMULATIONS", "register_accumulation", "KSlices", "resolve", "truncate_mantissa",
-           "accumulate_matmul", "accumulate_matmul_reference"]
+__all__ = ["Accumulation", "ACCUMULATIONS", "register_accumulation", "KSlices", "resolve",
+           "truncate_mantissa", "accumulate_matmul", "accumulate_matmul_batched",
+           "accumulate_matmul_reference"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,6 +191,52 @@ def _buffer(numel: int, device: torch.device) -> torch.Tensor:
     return buf[:numel]
 
 
+class _Register:
+    """The accumulator of `accumulate_matmul` over a block of outputs: a float64 register
+    (truncated in place on its int64 view, or rounded to FP32 each slice) and, where partial sums
+    are promoted, the FP32 total."""
+
+    def __init__(self, shape: tuple[int, ...], acc: Accumulation, slices: int,
+                 device: torch.device) -> None:
+        self.partial = torch.zeros(shape, dtype=torch.float64, device=device)  # the register
+        self._bits = self.partial.view(torch.int64)
+        self._keep = None if acc.acc_mbits is None else ~((1 << (52 - acc.acc_mbits)) - 1)
+        self._fp32 = torch.empty(shape, dtype=torch.float32, device=device) \
+            if self._keep is None else None
+        self._promote = None if acc.promote_every is None else acc.promote_every // acc.mma_k
+        # the FP32 total, needed only where partial sums are promoted into it
+        self._total = None if self._promote is None else \
+            torch.zeros(shape, dtype=torch.float32, device=device)
+        self._slices = slices
+
+    def added(self, i: int) -> None:
+        """After slice i's products went into `partial`: the register's rounding, promotion."""
+        if self._keep is not None:
+            self._bits.bitwise_and_(self._keep)  # truncate_mantissa, in place
+        else:  # an FP32 register: round the float64 sum once to FP32
+            self._fp32.copy_(self.partial)
+            self.partial.copy_(self._fp32)
+        # only the last slice can be short, and promoting after it adds what the final add
+        # does: promoting after every `promote` whole slices counts as the reference
+        if self._promote is not None and (i + 1) % self._promote == 0 and i + 1 < self._slices:
+            _promote(self._total, self.partial)
+            self.partial.zero_()
+
+    def result(self) -> torch.Tensor:
+        if self._total is None:  # the reference's zero total + partial.float(): the register
+            return self.partial.add_(0.0).to(torch.float32)  # rounded once, −0 made +0
+        _promote(self._total, self.partial)
+        return self._total
+
+
+def _widened(a: torch.Tensor, k_padded: int) -> torch.Tensor:
+    """The left operand in float64, its K zero-padded to whole slices (zero-padded slices of b
+    meet zero activations)."""
+    a64 = a.to(torch.float64)
+    k = a.shape[-1]
+    return torch.nn.functional.pad(a64, (0, k_padded - k)) if k_padded != k else a64
+
+
 def accumulate_matmul(a: torch.Tensor, b: torch.Tensor | KSlices,
                       acc: Accumulation | str) -> torch.Tensor:
     """a: [M, K], b: [K, N] or its KSlices (values already on the low-precision grid, any float
@@ -207,19 +254,11 @@ def accumulate_matmul(a: torch.Tensor, b: torch.Tensor | KSlices,
         raise QuantizeError(f"KSlices cut for mma_k={b.values.shape[1]}, the accumulation "
                             f"{acc.name!r} has mma_k={acc.mma_k}")
     s, mk, n = b.values.shape
-    m, k = a.shape
+    m = a.shape[0]
     if m == 0 or n == 0:
         return torch.zeros(m, n, dtype=torch.float32, device=a.device)
-    a64 = a.to(torch.float64)
-    if k % mk:  # the zero-padded slice of b meets zero-padded activations
-        a64 = torch.nn.functional.pad(a64, (0, s * mk - k))
-    partial = torch.zeros(m, n, dtype=torch.float64, device=a.device)  # the limited register
-    bits = partial.view(torch.int64)
-    keep = None if acc.acc_mbits is None else ~((1 << (52 - acc.acc_mbits)) - 1)
-    fp32 = torch.empty(m, n, dtype=torch.float32, device=a.device) if keep is None else None
-    promote = None if acc.promote_every is None else acc.promote_every // mk
-    # the FP32 total, needed only where partial sums are promoted into it
-    total = None if promote is None else torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    a64 = _widened(a, s * mk)
+    reg = _Register((m, n), acc, s, a.device)
     widen = b.values.dtype != torch.float64
     chunk = max(1, _WIDEN_BYTES // (8 * mk * n)) if widen else s
     buf = _buffer(min(chunk, s) * mk * n, a.device) if widen else None
@@ -231,21 +270,38 @@ def accumulate_matmul(a: torch.Tensor, b: torch.Tensor | KSlices,
         else:
             wide = b.values[s0:s1]
         for i in range(s0, s1):
-            partial.addmm_(a64[:, i * mk:(i + 1) * mk], wide[i - s0])
-            if keep is not None:
-                bits.bitwise_and_(keep)  # truncate_mantissa, in place
-            else:  # an FP32 register: round the float64 sum once to FP32
-                fp32.copy_(partial)
-                partial.copy_(fp32)
-            # only the last slice can be short, and promoting after it adds what the final
-            # add does: promoting after every `promote` whole slices counts as the reference
-            if promote is not None and (i + 1) % promote == 0 and i + 1 < s:
-                _promote(total, partial)
-                partial.zero_()
-    if total is None:  # the reference's zero total + partial.float(): the register rounded
-        return partial.add_(0.0).to(torch.float32)  # once to FP32, a −0 made +0 by the add
-    _promote(total, partial)
-    return total
+            reg.partial.addmm_(a64[:, i * mk:(i + 1) * mk], wide[i - s0])
+            reg.added(i)
+    return reg.result()
+
+
+def accumulate_matmul_batched(a: torch.Tensor, bs: list[KSlices],
+                              acc: Accumulation | str) -> torch.Tensor:
+    """Several GEMMs of one shape at once (e.g. a fused MoE layer's experts): a [B, M, K] (rows
+    zero-padded to a common M) and B right operands of one shape [K, N] → [B, M, N] float32,
+    where [j] is exactly `accumulate_matmul(a[j], bs[j], acc)`: each slice is one batched
+    float64 GEMM into the register, whose sums are exact in any order (module docstring), so
+    batching changes no bit. One call instead of B saves B − 1 calls' fixed cost, which is what
+    a decode step's small expert GEMMs are made of."""
+    acc = resolve(acc)
+    if a.ndim != 3 or a.shape[0] != len(bs) or not bs:
+        raise QuantizeError(f"accumulate_matmul_batched needs [B, M, K] and B operands, got "
+                            f"{tuple(a.shape)} and {len(bs)}")
+    shape = bs[0].values.shape
+    if any(b.values.shape != shape or b.k != a.shape[2] for b in bs) or shape[1] != acc.mma_k:
+        raise QuantizeError(f"accumulate_matmul_batched needs operands of one shape [K={a.shape[2]}"
+                            f", N] cut for mma_k={acc.mma_k}")
+    s, mk, n = shape
+    nb, m = a.shape[:2]
+    if m == 0 or n == 0:
+        return torch.zeros(nb, m, n, dtype=torch.float32, device=a.device)
+    a64 = _widened(a, s * mk)
+    wide = torch.stack([b.values for b in bs], 1).to(torch.float64)  # [S, B, mma_k, N]
+    reg = _Register((nb, m, n), acc, s, a.device)
+    for i in range(s):
+        reg.partial.baddbmm_(a64[:, :, i * mk:(i + 1) * mk], wide[i])
+        reg.added(i)
+    return reg.result()
 
 
 def _promote(total: torch.Tensor, partial: torch.Tensor) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from mismatch.quantize import QuantizeError, fake_quant
 from mismatch.quantize.accumulate import (ACCUMULATIONS, Accumulation, KSlices, accumulate_matmul,
-                                 accumulate_matmul_reference, truncate_mantissa)
+                                 accumulate_matmul_batched, accumulate_matmul_reference, resolve,
+                                 truncate_mantissa)
 
 
 def _truncate(v: float, mbits: int) -> float:
@@ -53,7 +54,8 @@ def test_matches_scalar_reference(mbits, promote):
 
 
 def test_truncation_rounds_toward_zero():
-    x = torch.tensor([1.0 + 2**-10 + 2**-14, -(1.0 + 2**-10 + 2**-14), 0.0, 3.0], dtype=torch.float64)
+    x = torch.tensor([1.0 + 2**-10 + 2**-14, -(1.0 + 2**-10 + 2**-14), 0.0, 3.0],
+                     dtype=torch.float64)
     assert truncate_mantissa(x, 10).tolist() == [1.0 + 2**-10, -(1.0 + 2**-10), 0.0, 3.0]
 
 
@@ -201,6 +203,30 @@ def test_prepared_operand_checks():
     assert KSlices.of(torch.tensor([[1.0 + 2**-20]]), 32).values.dtype == torch.float32
     assert KSlices.of(torch.tensor([[1.0 + 2**-40]], dtype=torch.float64),
                       32).values.dtype == torch.float64
+
+
+@pytest.mark.parametrize("acc", list(ACCUMULATIONS) + [
+    Accumulation(name="c", acc_mbits=None, promote_every=96),
+    Accumulation(name="d", acc_mbits=4, promote_every=64, mma_k=16)])
+def test_batched_equals_one_gemm_per_operand(acc):
+    """The batched GEMM (a fused MoE layer's experts at once) gives each batch the bits of its
+    own `accumulate_matmul`, rows zero-padded to the longest included; ragged K, an empty M."""
+    g = torch.Generator().manual_seed(11)
+    mk = resolve(acc).mma_k
+    for nb, m, k, n in [(8, 5, 128, 256), (3, 1, 100, 7), (2, 17, 70, 33), (4, 0, 64, 8)]:
+        a = _fp8_values((nb, m, k), g, 16.0)
+        bs = [KSlices.of(_fp8_values((k, n), g, 16.0), mk) for _ in range(nb)]
+        out = accumulate_matmul_batched(a, bs, acc)
+        assert out.shape == (nb, m, n) and out.dtype == torch.float32
+        for j in range(nb):
+            assert _bits_equal(out[j], accumulate_matmul(a[j], bs[j], acc))
+            assert _bits_equal(out[j], accumulate_matmul_reference(a[j], bs[j].matrix().float(),
+                                                                   acc))
+    with pytest.raises(QuantizeError, match="one shape"):
+        accumulate_matmul_batched(torch.ones(2, 3, 64), [KSlices.of(torch.ones(64, 4), mk),
+                                                         KSlices.of(torch.ones(64, 5), mk)], acc)
+    with pytest.raises(QuantizeError, match="B operands"):
+        accumulate_matmul_batched(torch.ones(3, 64), [KSlices.of(torch.ones(64, 4), mk)], acc)
 
 
 # ------------------------------------------- the emulator's FP8 GEMMs against per-linear ones

@@ -9,7 +9,9 @@ instead of two per expert hit). numerics.py installs `experts_forward` on every 
 module of the Qwen3-MoE layout (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], `act_fn`).
 Its control flow is transformers' eager experts loop; only the GEMMs and the quantization are
 the emulator's. With codes-level GEMM accumulation (FP8 on Hopper) the stage's quantized values
-are the E4M3 elements themselves (numerics.py scales each GEMM's output instead).
+are the E4M3 elements themselves (numerics.py scales each GEMM's output instead), and the
+stage's expert GEMMs run as one batched GEMM (`mode.expert_gemms`), bit for bit the per-expert
+ones: a decode step's expert GEMMs are a few rows each, so their fixed cost is what they cost.
 """
 
 from __future__ import annotations
@@ -43,24 +45,24 @@ def experts_forward(module: torch.nn.Module, mode):
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, n_experts).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()
-        routes, inter = [], []
+        routes = []
         for e in hit:
             pos, tok = torch.where(mask[e])
-            rows = hidden_states[tok]
-            gu = mode.gemm(rows, gate_up[e], None if xq is None else xq[tok])
-            gu = gu.to(hidden_states.dtype)  # (n_e, 2I)
-            gate, up = gu.chunk(2, dim=-1)
-            inter.append(module.act_fn(gate) * up)
             routes.append((e, pos, tok))
         if not routes:
             return final
+        gus = mode.expert_gemms([gate_up[e] for e, _, _ in routes],
+                                [hidden_states[tok] for _, _, tok in routes],
+                                None if xq is None else [xq[tok] for _, _, tok in routes])
+        inter = []
+        for gu in gus:
+            gate, up = gu.to(hidden_states.dtype).chunk(2, dim=-1)  # (n_e, I) each
+            inter.append(module.act_fn(gate) * up)
         hq = mode.quantized_input(torch.cat(inter), down[0]) if batched else None  # (Σ n_e, I)
-        start = 0
-        for (e, pos, tok), h in zip(routes, inter):
-            hq_e = None if hq is None else hq[start:start + h.shape[0]]
-            out = mode.gemm(h, down[e], hq_e).to(hidden_states.dtype)
-            start += h.shape[0]
-            out = out * top_k_weights[tok, pos, None]
+        hqs = None if hq is None else list(hq.split([h.shape[0] for h in inter]))
+        outs = mode.expert_gemms([down[e] for e, _, _ in routes], inter, hqs)
+        for (e, pos, tok), out in zip(routes, outs):
+            out = out.to(hidden_states.dtype) * top_k_weights[tok, pos, None]
             final.index_add_(0, tok, out.to(final.dtype))
         return final
 
