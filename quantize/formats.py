@@ -2,8 +2,9 @@
 
 Every low-precision element format this project emulates is a small IEEE-like binary float
 described by four numbers — exponent bits, mantissa bits, bias, and what happens past the largest
-finite value — plus the codes it reserves for inf and NaN. `FORMATS` holds them as data; the
-functions below work for any entry, so adding a format is adding a row, not a branch.
+finite value — plus the codes it reserves for inf and NaN. `FORMATS` holds them as data
+(format_table.py, without torch; re-exported here); the functions below work for any entry, so
+adding a format is adding a row, not a branch.
 
 Rounding (`round_to_format`) is exact for float32 input, vectorized, with no loop over elements:
 
@@ -29,12 +30,24 @@ E8M0 (the MX shared scale) has no sign and no mantissa: a byte b means 2^(b − 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from mismatch.registry import add_once
+from .format_table import (
+    E2M1,
+    E2M1_MAX,
+    E4M3,
+    E4M3_MAX,
+    E5M2,
+    E5M2_MAX,
+    E8M0_BIAS,
+    E8M0_NAN,
+    FORMATS,
+    FloatFormat,
+    SignRule,
+    Ties,
+    get_format,
+)
 
 __all__ = [
     "FloatFormat",
@@ -60,93 +73,6 @@ __all__ = [
     "e8m0_decode",
     "e8m0_from_exponent",
 ]
-
-Overflow = Literal["saturate", "inf"]
-Ties = Literal["even", "toward_zero"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class FloatFormat:
-    """A binary floating-point element format (at most 8 bits wide)."""
-
-    name: str
-    """Short name used in tables and error messages."""
-    ebits: int
-    """Exponent bits."""
-    mbits: int
-    """Explicit mantissa bits."""
-    bias: int
-    """Exponent bias; the smallest normal exponent is 1 - bias."""
-    max_finite: float
-    """Largest finite magnitude (E4M3FN: 448, not the IEEE-style 240, since it gives up inf)."""
-    overflow: Overflow
-    """What a finite value beyond `max_finite` becomes after rounding."""
-    inf_code: int | None = None
-    """Code of +inf (sign bit clear), or None when the format has no infinity."""
-    nan_code: int | None = None
-    """Canonical code of NaN (sign bit clear), or None when the format has no NaN."""
-    torch_dtype: torch.dtype | None = field(default=None, compare=False)
-    """The torch dtype with the same bits, where one exists (used for fast casts)."""
-
-    def __post_init__(self) -> None:
-        if not (1 <= self.ebits and 0 <= self.mbits and self.ebits + self.mbits <= 7):
-            raise ValueError(f"{self.name}: need 1 <= ebits and ebits + mbits <= 7, got "
-                             f"ebits={self.ebits}, mbits={self.mbits}")
-        if self.overflow == "inf" and self.inf_code is None:
-            raise ValueError(f"{self.name}: overflow='inf' needs an inf_code")
-
-    @property
-    def bits(self) -> int:
-        return 1 + self.ebits + self.mbits
-
-    @property
-    def n_codes(self) -> int:
-        return 1 << self.bits
-
-    @property
-    def emin(self) -> int:
-        """Exponent of the smallest normal value."""
-        return 1 - self.bias
-
-    @property
-    def min_subnormal(self) -> float:
-        return 2.0 ** (self.emin - self.mbits)
-
-    @property
-    def sign_bit(self) -> int:
-        return 1 << (self.ebits + self.mbits)
-
-
-E2M1_MAX = 6.0  # largest FP4 E2M1 magnitude: 1.5 * 2^2
-E4M3_MAX = 448.0  # largest FP8 E4M3FN magnitude: 1.75 * 2^8 (S.1111.110; S.1111.111 is NaN)
-E5M2_MAX = 57344.0  # largest finite FP8 E5M2 magnitude: 1.75 * 2^15
-E8M0_BIAS = 127  # E8M0 byte b encodes 2^(b - 127)
-E8M0_NAN = 0xFF  # the one NaN code of E8M0
-
-E2M1 = FloatFormat(name="e2m1", ebits=2, mbits=1, bias=1, max_finite=E2M1_MAX,
-                   overflow="saturate", torch_dtype=None)
-E4M3 = FloatFormat(name="e4m3", ebits=4, mbits=3, bias=7, max_finite=E4M3_MAX,
-                   overflow="saturate", nan_code=0x7F, torch_dtype=torch.float8_e4m3fn)
-E5M2 = FloatFormat(name="e5m2", ebits=5, mbits=2, bias=15, max_finite=E5M2_MAX,
-                   overflow="inf", inf_code=0x7C, nan_code=0x7F, torch_dtype=torch.float8_e5m2)
-
-FORMATS: dict[str, FloatFormat] = {}
-
-
-def _register(fmt: FloatFormat) -> None:
-    add_once(FORMATS, fmt.name, fmt, "element format")
-
-
-for _fmt in (E2M1, E4M3, E5M2):
-    _register(_fmt)
-
-
-def get_format(name: str) -> FloatFormat:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown element format {name!r}; valid: {', '.join(FORMATS)}") from None
-
 
 def div_scalar(t: torch.Tensor, divisor: float) -> torch.Tensor:
     """t / divisor, correctly rounded on every device. torch's CUDA division by a Python (CPU)
@@ -191,9 +117,6 @@ def round_to_format(x: torch.Tensor, fmt: FloatFormat, *, ties: Ties = "even") -
         mag = torch.where(mag > fmt.max_finite, torch.full_like(mag, math.inf), mag)
     out = torch.copysign(mag, x)
     return torch.where(torch.isnan(x), x, out)
-
-
-SignRule = Literal["ieee", "negative", "nonpositive"]
 
 
 def sign_mask(x: torch.Tensor, rule: SignRule) -> torch.Tensor:

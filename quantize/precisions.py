@@ -4,7 +4,7 @@ A precision is what a sampler serves a checkpoint in (`--dtype`), or a format th
 studies. Its row says which codec the weights' values come from, which codec activations are
 quantized with when a GEMM takes both operands in the low format (W*A*), which tensor-core operand
 format that GEMM needs, and which codec a modelopt checkpoint of it stores. Everything else is
-read from the codecs (codecs.py), never restated:
+read from the codec table (codec_table.py), never restated:
 
     precision     weights       activations   tensor cores  block  weight scales          ckpt
     bf16, fp16    cast          (compute)     -             -      none                   -
@@ -33,7 +33,7 @@ from typing import Literal
 
 from mismatch.registry import add_once
 
-from .codecs import CodecSpec, get_codec
+from .codec_table import CodecSpec, get_codec
 
 __all__ = ["Precision", "PRECISIONS", "register_precision", "KV_CACHE_CODECS"]
 

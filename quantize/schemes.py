@@ -31,16 +31,16 @@ from .formats import (
     sign_mask,
     threshold_codes,
 )
+from .codec_table import NVFP4_GLOBAL_DIVISOR
 from .qtensor import QTensor, pack_nibbles
 
 if TYPE_CHECKING:
-    from .codecs import CodecSpec, MXScaleRule
+    from .codec_table import CodecSpec, MXScaleRule
 
 __all__ = ["SCHEMES", "FAKE_QUANT", "NVFP4_SCALE_MIN", "NVFP4_GLOBAL_DIVISOR",
            "nvfp4_global_scale"]
 
 NVFP4_SCALE_MIN = 2.0**-9  # modelopt clamps block scales here: the smallest E4M3 subnormal
-NVFP4_GLOBAL_DIVISOR = E2M1_MAX * E4M3_MAX  # 2688: the global scale maps the tensor amax to 6·448
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -294,7 +294,7 @@ def test_codec_table_is_data():
     from mismatch.quantize.codecs import CodecSpec, register
 
     with pytest.raises(ValueError, match="registered twice"):
-        register(CodecSpec(name="nvfp4", scheme="cast", cast_dtype=torch.float16, description=""))
+        register(CodecSpec(name="nvfp4", scheme="cast", cast_dtype_name="float16", description=""))
 
 
 def test_all_zero_tensor_round_trips_and_bad_global_scale_is_refused():
