@@ -33,6 +33,7 @@ import torch
 from .bootstrap import bootstrap_ci
 from .exact_kl import exact_kl, second_order
 from .quantiles import _quantiles_np
+from .ratios import MAX_LOG_RATIO, MIS_HIGH, MIS_LOW  # the MIS band and the log-ratio clamp
 
 __all__ = [
     "MIS_LOW",
@@ -53,14 +54,6 @@ __all__ = [
     "nonfinite_tokens",
 ]
 
-# the MIS range for π/μ, outside which tokens are masked: IcePop (Zhao et al., Ant Group 2025,
-# https://ringtech.notion.site/icepop)
-MIS_LOW, MIS_HIGH = 0.5, 5.0
-MAX_LOG_RATIO = 20.0
-"""The bound |log π − log μ| is clamped to wherever a ratio is exponentiated (importance weights,
-k3, the SC multipliers): e^20 ≈ 4.9e8 stays finite in float32 and its square in a mean does too,
-while a ratio that far out is masked by MIS (0.5–5) or truncated by TIS long before; the one
-constant of the project's metrics, probes' tallies and losses."""
 _INF = float("inf")
 _NAN = float("nan")
 

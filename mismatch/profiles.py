@@ -30,9 +30,9 @@ from typing import Literal
 from mismatch.quantize.precisions import KV_CACHE_CODECS, PRECISIONS
 from mismatch.registry import add_once
 
-__all__ = ["GPUS", "register_gpu", "DTYPES", "KV_CACHES", "GpuProfile", "NumericsSpec",
-           "ProfileError", "resolve", "trainer_spec", "table", "TRAINER", "local_gpu",
-           "local_profile", "check_local_gpu"]
+__all__ = ["GPUS", "register_gpu", "DTYPES", "KV_CACHES", "TRAINER_DTYPES", "LM_HEADS",
+           "GpuProfile", "NumericsSpec", "ProfileError", "resolve", "trainer_spec", "table",
+           "TRAINER", "local_gpu", "local_profile", "check_local_gpu"]
 
 AttentionKernel = Literal["fa2", "fa3", "flashinfer", "trtllm", "reference"]
 
@@ -255,12 +255,15 @@ def resolve(gpu: str, dtype: str, kv_cache: str | None = None) -> NumericsSpec:
 TRAINER_DTYPES = ("bf16", "fp16", "fp32")
 """The trainer side's compute dtypes: BF16 (the default), FP16, or FP32 (a reference)."""
 
+LM_HEADS = ("compute", "fp32")
+"""The LM head's precisions (`NumericsSpec.lm_head`): the side's compute dtype, or FP32."""
+
 
 def trainer_spec(dtype: str = "bf16", lm_head: str = "compute") -> NumericsSpec:
     """The trainer side in BF16 (default), FP16 or FP32, its LM head in the compute dtype or in
     FP32 (`lm_head`)."""
     d = _need(dtype, TRAINER_DTYPES, "trainer dtype")
-    h = _need(lm_head, ("compute", "fp32"), "LM head dtype")
+    h = _need(lm_head, LM_HEADS, "LM head dtype")
     head = ", FP32 LM head" if h == "fp32" and d != "fp32" else ""
     return replace(TRAINER, dtype=d, kv_cache=d, compute_dtype=d,  # type: ignore[arg-type]
                    lm_head=h,  # type: ignore[arg-type]

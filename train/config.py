@@ -12,12 +12,17 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from mismatch.fleets import FLEETS as FLEET_PRESETS
+from mismatch.profiles import LM_HEADS
 from mismatch.registry import table_of
 
-from .loss import ARMS
+from .arms import ARMS
 
-__all__ = ["TrainConfig", "RUN_PRESETS", "preset_config", "homogeneous", "precision", "mixed",
-           "smoke"]
+__all__ = ["TrainConfig", "RUN_PRESETS", "RUN_TRAINER_DTYPES", "preset_config", "homogeneous",
+           "precision", "mixed", "smoke"]
+
+RUN_TRAINER_DTYPES = ("bf16", "fp32")
+"""The trainer's compute dtypes a run takes (`--trainer-dtype`): the FP32 master's BF16 cast, or
+the master itself (a reference); mismatch.profiles.TRAINER_DTYPES less FP16."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +33,7 @@ class TrainConfig:
     """Sampler fleet (mismatch.fleets.FLEETS): homogeneous, precision or mixed; or a fleet file
     (a path ending in .toml, as `mismatch plan` writes it: groups with their shares)."""
     correction: str = "sc+mis+topp"
-    """Loss arm (train.loss.ARMS)."""
+    """Loss arm (train.arms.ARMS)."""
     trainer_dtype: str = "bf16"
     """The trainer's compute dtype: "bf16" (the FP32 master's BF16 cast) or "fp32" (a
     reference: the master itself computes). The samplers get BF16 weights either way."""
@@ -102,10 +107,11 @@ class TrainConfig:
                              f"{', '.join(FLEET_PRESETS)} (or a fleet file, FILE.toml)")
         if self.correction not in ARMS:
             raise ValueError(f"unknown correction {self.correction!r}; arms: {', '.join(ARMS)}")
-        if self.trainer_dtype not in ("bf16", "fp32"):
-            raise ValueError(f"--trainer-dtype must be bf16 or fp32, got {self.trainer_dtype!r}")
-        if self.lm_head not in ("compute", "fp32"):
-            raise ValueError(f"--lm-head must be compute or fp32, got {self.lm_head!r}")
+        if self.trainer_dtype not in RUN_TRAINER_DTYPES:
+            raise ValueError(f"--trainer-dtype must be {' or '.join(RUN_TRAINER_DTYPES)}, got "
+                             f"{self.trainer_dtype!r}")
+        if self.lm_head not in LM_HEADS:
+            raise ValueError(f"--lm-head must be {' or '.join(LM_HEADS)}, got {self.lm_head!r}")
         if self.tasks != "zoo":
             from mismatch.zoo.tasks import TASK_KINDS
 

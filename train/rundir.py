@@ -181,6 +181,6 @@ def run_masks_tokens(path: Path) -> bool:
         correction = json.loads(config.read_text()).get("correction")
     except (OSError, ValueError, AttributeError):
         return False  # not a run's config: judged as without one
-    from .loss import ARMS
+    from .arms import ARMS
 
     return isinstance(correction, str) and correction in ARMS and ARMS[correction].weight == "mis"
