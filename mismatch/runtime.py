@@ -15,6 +15,13 @@ batch's length, the tokens each MoE expert receives), so a trainer's memory in u
 step and its resident memory to 5–7.5 GB at 2M parameters. With 64 shapes kept it stays flat at
 the same step time (reports/benchmarks.md, "Resident memory of a training process").
 
+`passive_thread_waits` makes torch's OpenMP threads sleep, not spin, when they wait for each
+other (OMP_WAIT_POLICY=PASSIVE). GNU OpenMP's default spins a while at every barrier; with one
+CPU-bound competitor per core a spinning thread burns the time slice its partner needs, and the
+trainer's half of a 16 × 8 step grew from ~2.2 s to 7.5–9.8 s. Passive, it took 4.2–4.7 s under
+the same load and the quiet step moved within run-to-run noise (reports/benchmarks.md, "Steady
+under load").
+
 `torch_threads(n)` sets torch's intra-op thread count for a block and restores the caller's on
 the way out, so a library call never leaves the process on a thread count it did not choose.
 
@@ -32,8 +39,9 @@ import signal
 import sys
 from typing import Callable, Iterator
 
-__all__ = ["SMALL_MODEL_PARAMETERS", "QUIETED_WARNINGS", "quiet_library_logs", "default_threads", "torch_threads", "tune_allocator",
-           "bound_kernel_caches", "KERNEL_CACHE_SHAPES",
+__all__ = ["SMALL_MODEL_PARAMETERS", "QUIETED_WARNINGS", "quiet_library_logs", "default_threads",
+           "torch_threads", "tune_allocator", "bound_kernel_caches", "KERNEL_CACHE_SHAPES",
+           "passive_thread_waits",
            "parent_death_signal", "core_slots", "child_setup", "keep_nice"]
 
 QUIETED_WARNINGS = (
@@ -107,6 +115,13 @@ def bound_kernel_caches(shapes: int = KERNEL_CACHE_SHAPES) -> dict[str, str]:
     for name in _KERNEL_CACHE_VARIABLES:
         os.environ.setdefault(name, str(int(shapes)))
     return {name: os.environ[name] for name in _KERNEL_CACHE_VARIABLES}
+
+
+def passive_thread_waits() -> str:
+    """Set OMP_WAIT_POLICY=PASSIVE unless the environment sets it (a user's choice wins). GNU
+    OpenMP reads it once, when torch loads it: call before importing torch; child processes
+    inherit it. Returns the policy in effect for processes started from now on."""
+    return os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @contextlib.contextmanager

@@ -152,3 +152,25 @@ def test_bound_kernel_caches_leaves_a_users_setting_and_the_cli_sets_it(monkeypa
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.split() == [str(KERNEL_CACHE_SHAPES)] * 2
+
+
+def test_the_cli_makes_openmp_waits_passive_unless_the_user_chose(monkeypatch):
+    """`mismatch` sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (its threads then sleep
+    at barriers instead of spinning on cores other processes need), and a user's value wins."""
+    from mismatch.runtime import passive_thread_waits
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert passive_thread_waits() == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert passive_thread_waits() == "PASSIVE"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = ("import importlib, os, sys; m = importlib.import_module('mismatch.cli.main'); "
+             "m.app = lambda **_: print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules); "
+             "m.main()")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["PASSIVE", "False"]  # set before torch (and OpenMP) loaded
+    env["OMP_WAIT_POLICY"] = "active"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["active", "False"]

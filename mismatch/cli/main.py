@@ -100,10 +100,11 @@ def _click_error_message(exc) -> str:
 
 def main() -> None:
     """Console-script entry point."""
-    from mismatch.runtime import bound_kernel_caches, tune_allocator
+    from mismatch.runtime import bound_kernel_caches, passive_thread_waits, tune_allocator
 
     tune_allocator()
     bound_kernel_caches()  # before any command's first matrix product; children inherit it
+    passive_thread_waits()  # before torch loads OpenMP (the CLI imports it in its commands)
     click = _parser_exceptions()
     bare_group = getattr(click, "NoArgsIsHelpError", ())  # click < 8.2 prints the help and exits 0
     try:
