@@ -13,15 +13,18 @@
 Each decoder nn.Linear gets a TE Linear holding the same BF16 weight for the duration of the
 block; fused MoE experts (3-D weights) and the lm_head stay in torch BF16 on the GPU. TE needs
 CUDA: without it, or without the `transformer_engine` package, asking for it is a one-line
-TEUnavailable error.
+TEUnavailable error. torch loads where a check or a block runs, so the probe's config and the
+command line read `TRAINER_KERNELS` without it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TRAINER_KERNELS", "TEUnavailable", "check_te", "te_linears"]
 
@@ -49,6 +52,8 @@ def check_te(kind: str) -> None:
     if importlib.util.find_spec("transformer_engine") is None:
         raise TEUnavailable(f"--trainer-kernels {kind} needs NVIDIA transformer-engine (pip "
                             f"install 'mismatch[te]' on a CUDA machine); use torch")
+    import torch
+
     if not torch.cuda.is_available():
         raise TEUnavailable(f"--trainer-kernels {kind} needs a CUDA GPU (transformer-engine has "
                             f"no CPU kernels); use torch")
@@ -74,6 +79,7 @@ def te_linears(model: torch.nn.Module, kind: str):
     if kind == "torch":
         yield
         return
+    import torch
     import transformer_engine.pytorch as te
 
     patched = []
