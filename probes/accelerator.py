@@ -76,16 +76,16 @@ class AcceleratorProbe:
         seed = self.ctx.cfg.seed
         parts = {name: t.summary(seed) for name, t in self.tallies.items()}
         shares = {f"{g}-{d}": s for g, d, s in self.groups}
-        weighted = {key: sum(shares[g] * parts[f"fleet {g}"][key] for g in shares)
+        weighted = {key: sum(shares[g] * parts[f"fleet {g}"].figure(key) for g in shares)
                     for key in ("kl_exact", "kl_k3", "abs_logprob_diff_mean",
                                 "mis_masked_fraction")}
         # the fleet's interval: share-weighted sums of per-group bounds (groups are sampled on
         # the same prompts, so their errors are positively correlated; this is conservative)
         for key in ("kl_exact_ci95", "kl_k3_ci95"):
-            weighted[key] = [sum(shares[g] * parts[f"fleet {g}"][key][i] for g in shares)
+            weighted[key] = [sum(shares[g] * parts[f"fleet {g}"].figure(key)[i] for g in shares)
                              for i in (0, 1)]
         target = self.headline.summary(seed)
-        by_gpu = {g: parts[f"gpu {g}"]["kl_exact"] for g in self.gpus}
+        by_gpu = {g: parts[f"gpu {g}"].kl_exact for g in self.gpus}
         notes = [f"Headline: the {self.ctx.spec.dtype} checkpoint served on the trainer's GPU "
                  f"({self.ctx.cfg.trainer_gpu}: {self.home.spec.kernel_path}) against the same "
                  f"checkpoint on {self.ctx.spec.gpu} ({self.ctx.spec.kernel_path}). "

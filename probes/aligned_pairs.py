@@ -15,7 +15,7 @@ from mismatch.records import Rollout
 
 from .base import Evaluation
 from .context import ProbeContext
-from .tally import Tally
+from .tally import KLSummary, Tally
 
 __all__ = ["AlignedPairs", "summary_if_interval"]
 
@@ -93,7 +93,7 @@ class AlignedPairs:
         return tally
 
 
-def summary_if_interval(tally: Tally, seed: int) -> dict | None:
+def summary_if_interval(tally: Tally, seed: int) -> KLSummary | None:
     """Tally.summary, or None under two sequences with compared tokens (no interval exists)."""
     rows = sum(int((m.sum(-1) > 0).sum()) for m in tally.mask)
     return tally.summary(seed=seed) if rows >= 2 else None

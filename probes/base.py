@@ -16,12 +16,14 @@ sampler μ.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from mismatch.profiles import NumericsSpec
 from mismatch.records import Rollout
+
+from .kl_summary import KLSummary
 
 __all__ = ["Variant", "Evaluation", "Batch", "SourceResult", "pad_width", "with_spec",
            "TORCH_DTYPES"]
@@ -90,29 +92,54 @@ def pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
     return out
 
 
-@dataclass
+_RESERVED = ("applies", "parts", "notes")
+
+
+@dataclass(frozen=True)
 class SourceResult:
     """What one source probe found."""
 
     name: str
-    headline: dict | None
+    headline: KLSummary | None
     """Summary (Tally.summary) of the source's main comparison; None where it does not apply."""
-    parts: dict[str, dict] = field(default_factory=dict)
+    parts: dict[str, KLSummary] = field(default_factory=dict)
     """Sub-factor name → summary."""
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     """Source-specific figures (JSON-ready), e.g. routing.flip_rate_any_layer."""
     notes: list[str] = field(default_factory=list)
     """Sentences for the report: what was compared, and why a figure looks as it does."""
     log_ratio: torch.Tensor | None = field(default=None, repr=False)
     """Per-token log-ratios of the main comparison (histogram)."""
 
+    @property
+    def applies(self) -> bool:
+        """Whether the source applies to this model (a dense model has no routers to flip)."""
+        return self.headline is not None or bool(self.parts) or bool(self.extra)
+
+    def figure(self, name: str) -> Any:
+        """The headline's figure `name`, else the source-specific one; None where absent."""
+        value = self.headline.figure(name) if self.headline is not None else None
+        return self.extra.get(name) if value is None else value
+
     def to_json(self) -> dict:
-        out: dict = dict(self.headline or {})
-        out["applies"] = self.headline is not None or bool(self.parts) or bool(self.extra)
+        out: dict = self.headline.to_json() if self.headline is not None else {}
+        out["applies"] = self.applies
         out.update(self.extra)
-        out["parts"] = self.parts
+        out["parts"] = {k: v.to_json() for k, v in self.parts.items()}
         out["notes"] = self.notes
         return out
+
+    @classmethod
+    def from_json(cls, name: str, d: dict[str, Any]) -> SourceResult:
+        """A source's block of results.json back (its log-ratios are not kept there): the
+        summary figures before `applies` are the headline, the other keys its own figures."""
+        keys = list(d)
+        cut = keys.index("applies") if "applies" in keys else 0
+        head = {k: d[k] for k in keys[:cut] if KLSummary.figure_name(k)}
+        extra = {k: v for k, v in d.items() if k not in head and k not in _RESERVED}
+        return cls(name=name, headline=KLSummary.from_json(head) if head else None,
+                   parts={k: KLSummary.from_json(v) for k, v in (d.get("parts") or {}).items()},
+                   extra=extra, notes=list(d.get("notes") or []))
 
 
 def with_spec(spec: NumericsSpec, **changes) -> NumericsSpec:

@@ -77,13 +77,13 @@ class LadderProbe(PairedProbe):
         rungs = []
         previous = 0.0
         for name in RUNGS:
-            kl = parts[name]["kl_exact"]
+            kl = parts[name].kl_exact
             rungs.append({"rung": name, "kl_exact": kl, "increment": kl - previous,
-                          "kl_exact_ci95": parts[name]["kl_exact_ci95"]})
+                          "kl_exact_ci95": parts[name].kl_exact_ci95})
             previous = kl
-        alone = {k.split()[0]: parts[f"{k}"]["kl_exact"] for k in
+        alone = {k.split()[0]: parts[k].kl_exact for k in
                  ("kernels alone", "precision alone", "accelerator alone")}
-        total = parts["L2 + accelerator"]["kl_exact"]
+        total = parts["L2 + accelerator"].kl_exact
         interaction = total - sum(alone.values())
         extra = {"rungs": rungs, "alone": alone, "total_kl_exact": total,
                  "interaction": interaction,
@@ -95,6 +95,6 @@ class LadderProbe(PairedProbe):
                  f"sampler ({self.ctx.spec.label}: {self.ctx.spec.kernel_path}).",
                  f"Interaction = total − Σ alone = {interaction:.3e} "
                  f"({extra['interaction_fraction']:+.0%} of the total)."]
-        return SourceResult(name=self.name, headline=dict(parts["L2 + accelerator"]),
+        return SourceResult(name=self.name, headline=parts["L2 + accelerator"],
                             parts=parts, extra=extra, notes=notes,
                             log_ratio=self.tallies["L2 + accelerator"].log_ratio())

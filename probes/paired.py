@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .base import Batch, Variant
 from .context import ProbeContext
-from .tally import Tally
+from .tally import KLSummary, Tally
 
 __all__ = ["PairedProbe"]
 
@@ -33,6 +33,6 @@ class PairedProbe:
         """The comparison whose interval --ci-target watches."""
         return self.tallies[self.headline_name]
 
-    def summaries(self) -> dict[str, dict]:
+    def summaries(self) -> dict[str, KLSummary]:
         return {name: t.summary(self.ctx.cfg.seed) for name, t in self.tallies.items()}
 

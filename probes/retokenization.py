@@ -53,7 +53,7 @@ from .context import ProbeContext
 from .errors import ProbeError
 from .multi_turn import Render, drive_episodes, measure_episodes
 from .round_trip import measure_round_trips
-from .tally import Tally
+from .tally import KLSummary, Tally
 
 __all__ = ["RetokenizationConfig", "run"]
 
@@ -103,8 +103,8 @@ def _sampled(ctx: ProbeContext, on_batch) -> tuple[list[list[int]], list[list[in
     return prompts, completions
 
 
-def _kl(summary: dict | None) -> float:
-    return summary["kl_exact"] if summary else 0.0
+def _kl(summary: KLSummary | None) -> float:
+    return summary.kl_exact if summary else 0.0
 
 
 def _notes(a: dict, b: dict | None, render: Render, parts: dict) -> list[str]:

@@ -85,8 +85,7 @@ class RoutingProbe:
         alone = self.tallies["routing_alone"].summary(seed)
         assert self.layer_flips is not None
         per_layer = (self.layer_flips.double() / max(self.positions, 1)).tolist()
-        share = without["kl_exact"] - with_replay["kl_exact"]
-        headline = dict(alone)
+        share = without.kl_exact - with_replay.kl_exact
         extra = {
             "flip_rate_by_layer": per_layer,
             "flip_rate_mean": sum(per_layer) / len(per_layer),
@@ -94,13 +93,12 @@ class RoutingProbe:
             "flip_rate_any_layer_completion": self.completion_any
             / max(self.completion_positions, 1),
             "positions": self.positions,
-            "kl_exact_no_replay": without["kl_exact"],
-            "kl_exact_replay": with_replay["kl_exact"],
-            "kl_k3_no_replay": without["kl_k3"],
-            "kl_k3_replay": with_replay["kl_k3"],
+            "kl_exact_no_replay": without.kl_exact,
+            "kl_exact_replay": with_replay.kl_exact,
+            "kl_k3_no_replay": without.kl_k3,
+            "kl_k3_replay": with_replay.kl_k3,
             "routing_kl_share": share,
-            "routing_kl_share_fraction": share / without["kl_exact"]
-            if without["kl_exact"] > 0 else 0.0,
+            "routing_kl_share_fraction": share / without.kl_exact if without.kl_exact > 0 else 0.0,
         }
         notes = [f"Sampler: {self.ctx.spec.label} (decode path); trainer: teacher-forced "
                  f"{self.ctx.trainer.dtype.upper()}. Flips are counted over all "
@@ -108,7 +106,7 @@ class RoutingProbe:
                  f"completion tokens. Routing's share = KL without replay − KL with replay. "
                  f"Headline (`routing_alone`): the trainer's numerics with its own experts "
                  f"against the same numerics forced to the sampler's experts — routing alone."]
-        return SourceResult(name=self.name, headline=headline,
+        return SourceResult(name=self.name, headline=alone,
                             parts={"no_replay": without, "replay": with_replay,
                                    "routing_alone": alone}, extra=extra,
                             notes=notes, log_ratio=self.tallies["routing_alone"].log_ratio())

@@ -17,7 +17,7 @@ from mismatch.runtime import torch_threads
 from . import SOURCES, load_source
 from .base import SourceResult
 from .context import ProbeContext
-from .summary import ProbeSummary
+from .summary import CITarget, ProbeSummary
 from .tally import NOISE_FLOOR, Tally
 
 __all__ = ["run_batches", "run_sources", "SourcesRun", "BatchesRun"]
@@ -28,8 +28,8 @@ class BatchesRun:
     """The total's tally over every batch and the --ci-target outcome."""
 
     total: Tally
-    ci: dict
-    """{"target": fraction, "met": bool | None (None: off), "unmet": [headline names]}."""
+    ci: CITarget
+    """--ci-target's outcome."""
 
 
 @dataclass
@@ -53,7 +53,8 @@ def run_batches(ctx: ProbeContext, probes: list, *, ci_target: float = 0.0) -> B
     again (until met or --max-prompts). Call under the context's thread count."""
     total = Tally()
     i = 0
-    ci = {"target": ci_target, "met": None, "unmet": []}
+    met: bool | None = None
+    unmet: list[str] = []
     while i < len(ctx.batches):
         batch = ctx.sample_batch(i)
         ctx.compare(total, ctx.reference, ctx.sampler, batch)
@@ -63,11 +64,11 @@ def run_batches(ctx: ProbeContext, probes: list, *, ci_target: float = 0.0) -> B
         i += 1
         ctx.progress("sampling and scoring", i, len(ctx.batches))
         if i == len(ctx.batches) and ci_target > 0:
-            ci["unmet"] = _unmet(total, probes, ci_target, ctx.cfg.seed)
-            ci["met"] = not ci["unmet"]
-            if ci["unmet"]:
+            unmet = _unmet(total, probes, ci_target, ctx.cfg.seed)
+            met = not unmet
+            if unmet:
                 ctx.extend_prompts(8 * ctx.cfg.batch_size)
-    return BatchesRun(total=total, ci=ci)
+    return BatchesRun(total=total, ci=CITarget(target=ci_target, met=met, unmet=unmet))
 
 
 def run_sources(cfg, progress: Callable[[str, int, int], None] | None = None, *,
@@ -99,8 +100,8 @@ def run_sources(cfg, progress: Callable[[str, int, int], None] | None = None, *,
         model=str(cfg.model) if cfg.model else "embedded",
         kernel_path=spec.kernel_path, attention=spec.attention,
         prompts=len(ctx.prompts), tokens=run.total.tokens, total=total, ci_target=run.ci,
-        sources={name: r.to_json() for name, r in results.items() if name != "ladder"},
-        ladder=results["ladder"].to_json() if "ladder" in results else None)
+        sources={name: r for name, r in results.items() if name != "ladder"},
+        ladder=results.get("ladder"))
     return SourcesRun(record=summary, results=results, log_ratio_total=run.total.log_ratio())
 
 
@@ -110,7 +111,7 @@ def _unmet(total: Tally, probes: list, ci_target: float, seed: int) -> list[str]
     for name, tally in [("total", total)] + [(p.name, p.headline) for p in probes
                                              if p.batches_needed is None]:
         s = tally.summary(seed, n_boot=400)
-        rel = s.get("kl_exact_ci_rel", math.inf)
-        if s.get("kl_exact", 0.0) >= NOISE_FLOOR and not rel < ci_target:
+        rel = math.inf if s.kl_exact_ci_rel is None else s.kl_exact_ci_rel
+        if (s.kl_exact or 0.0) >= NOISE_FLOOR and not rel < ci_target:
             out.append(name)
     return out

@@ -137,6 +137,6 @@ def run(ctx: ProbeContext) -> SourceResult:
              f"Processed minus raw log-prob per token: {extra['processed_minus_raw_mean']:.4f} "
              f"nats (bound −log p = {extra['bias_bound']:.4f}): a trainer that compares its raw "
              f"log-probs with an engine's processed ones sees this as mismatch."]
-    return SourceResult(name="sampling", headline=dict(parts["processed"]), parts=parts,
+    return SourceResult(name="sampling", headline=parts["processed"], parts=parts,
                         extra=extra, notes=notes, log_ratio=tallies["processed"].log_ratio())
 

@@ -130,10 +130,10 @@ def run(ctx: ProbeContext, *,
         tallies[k] = _measure(ctx, stale, trainer, trainer_scores, tick)
     summaries = {k: t.summary(seed=cfg.seed) for k, t in tallies.items()}
     extra = {
-        "kl_k3_by_lag": {str(k): s["kl_k3"] for k, s in summaries.items()},
-        "kl_exact_by_lag": {str(k): s["kl_exact"] for k, s in summaries.items()},
-        "kl_exact_ci95_by_lag": {str(k): s["kl_exact_ci95"] for k, s in summaries.items()},
-        "tokens_by_lag": {str(k): s["tokens"] for k, s in summaries.items()},
+        "kl_k3_by_lag": {str(k): s.kl_k3 for k, s in summaries.items()},
+        "kl_exact_by_lag": {str(k): s.kl_exact for k, s in summaries.items()},
+        "kl_exact_ci95_by_lag": {str(k): s.kl_exact_ci95 for k, s in summaries.items()},
+        "tokens_by_lag": {str(k): s.tokens for k, s in summaries.items()},
         "lr": policies.lr,
         "steps": k_max,
         "source": policies.source,
@@ -143,7 +143,7 @@ def run(ctx: ProbeContext, *,
     }
     if hasattr(policies, "informative_groups"):  # generated steps: groups with a reward spread
         extra["informative_groups_by_step"] = policies.informative_groups
-    kl = [summaries[k]["kl_exact"] for k in range(k_max + 1)]
+    kl = [summaries[k].kl_exact for k in range(k_max + 1)]
     return SourceResult(name="staleness", headline=summaries[1],
                         parts={f"lag {k}": s for k, s in summaries.items()}, extra=extra,
                         notes=policies.notes(kl), log_ratio=tallies[1].log_ratio())

@@ -11,14 +11,16 @@ trainer π, `other` the sampler μ.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from mismatch.metrics import MAX_LOG_RATIO, bootstrap_ci, divergence_summary, exact_kl, log_ratio
 
 from .base import Evaluation
+from .kl_summary import KLSummary
 
-__all__ = ["Tally", "SUMMARY_KEYS", "NOISE_FLOOR", "CI_REL_TARGET"]
+__all__ = ["Tally", "KLSummary", "SUMMARY_KEYS", "NOISE_FLOOR", "CI_REL_TARGET"]
 
 SUMMARY_KEYS = ("kl_k3", "kl_k1", "kl_k2", "abs_logprob_diff_mean", "abs_logprob_diff_p99",
                 "abs_logprob_diff_max", "token_multiplicative_error", "mis_masked_fraction",
@@ -69,7 +71,7 @@ class Tally:
         out = [log_ratio(r, o)[m.bool()] for r, o, m in zip(self.reference, self.other, self.mask)]
         return torch.cat(out).float() if out else torch.zeros(0)
 
-    def summary(self, seed: int = 0, n_boot: int = 1000) -> dict:
+    def summary(self, seed: int = 0, n_boot: int = 1000) -> KLSummary:
         """The SUMMARY_KEYS figures, `tokens`, `nonfinite_tokens` (masked-in tokens with a NaN
         or ±inf log-prob or exact KL: counted here, left out of every figure), `kl_exact` and
         both 95% intervals."""
@@ -77,8 +79,8 @@ class Tally:
             raise ValueError("nothing to summarize: no completion tokens were compared")
         r, o, m = torch.cat(self.reference), torch.cat(self.other), torch.cat(self.mask)
         s = {k: float(v) for k, v in divergence_summary(r, o, m).items()}
-        out = {k: s[k] for k in SUMMARY_KEYS}
-        out["tokens"] = int(s["tokens"])
+        tokens = int(s.pop("tokens"))
+        figures = {k: s[k] for k in SUMMARY_KEYS}
         # the counted tokens: masked in, both log-probs (and the exact KL, where known) finite;
         # the rest of the masked-in ones are nonfinite_tokens, left out of every figure
         lr = log_ratio(r, o)
@@ -87,22 +89,21 @@ class Tally:
         if ex is not None:
             counted &= ex.abs() < math.inf
             ex = torch.where(counted, ex, 0.0)
-        out["nonfinite_tokens"] = out["tokens"] - int(counted.sum())
         lr = torch.where(counted, lr, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         k3 = torch.expm1(lr) - lr                                   # 0 where not counted
         per_n = counted.sum(-1).double()
         keep = per_n > 0
-        out["kl_k3_ci95"] = bootstrap_ci(k3.sum(-1)[keep], per_n[keep], seed, n_boot)
-        if ex is not None:
-            out["kl_exact"] = float(ex.sum() / per_n.sum())
-            out["kl_exact_ci95"] = bootstrap_ci(ex.sum(-1)[keep], per_n[keep], seed, n_boot)
-            half = (out["kl_exact_ci95"][1] - out["kl_exact_ci95"][0]) / 2
-            out["kl_exact_ci_rel"] = half / out["kl_exact"] if out["kl_exact"] > 0 else 0.0
-            out["ci_target_met"] = bool(out["kl_exact"] < NOISE_FLOOR
-                                        or out["kl_exact_ci_rel"] < CI_REL_TARGET)
-            if not out["ci_target_met"] and math.isfinite(out["kl_exact_ci_rel"]):
-                # the half-width shrinks as 1/sqrt(sequences): what the target would take
-                out["sequences_for_ci_target"] = int(math.ceil(
-                    int(keep.sum()) * (out["kl_exact_ci_rel"] / CI_REL_TARGET) ** 2))
-        return out
+        base = KLSummary(**figures, tokens=tokens, nonfinite_tokens=tokens - int(counted.sum()),
+                         kl_k3_ci95=bootstrap_ci(k3.sum(-1)[keep], per_n[keep], seed, n_boot))
+        if ex is None:
+            return base
+        kl = float(ex.sum() / per_n.sum())
+        ci = bootstrap_ci(ex.sum(-1)[keep], per_n[keep], seed, n_boot)
+        rel = (ci[1] - ci[0]) / 2 / kl if kl > 0 else 0.0
+        met = bool(kl < NOISE_FLOOR or rel < CI_REL_TARGET)
+        # the half-width shrinks as 1/sqrt(sequences): what the target would take
+        needed = (int(math.ceil(int(keep.sum()) * (rel / CI_REL_TARGET) ** 2))
+                  if not met and math.isfinite(rel) else None)
+        return replace(base, kl_exact=kl, kl_exact_ci95=ci, kl_exact_ci_rel=rel,
+                       ci_target_met=met, sequences_for_ci_target=needed)
 

@@ -170,7 +170,7 @@ def test_tally_counts_nonfinite_tokens_and_ignores_masked_poison():
         return tally.summary(n_boot=200)
 
     clean = summary(trainer, sampler, exact)
-    assert clean["nonfinite_tokens"] == 0 and math.isfinite(clean["kl_exact"])
+    assert clean.nonfinite_tokens == 0 and math.isfinite(clean.kl_exact)
     out = ~mask
     assert summary(_poisoned(trainer, out, float("nan")), _poisoned(sampler, out, float("inf")),
                    _poisoned(exact, out, float("nan"))) == clean
@@ -179,8 +179,8 @@ def test_tally_counts_nonfinite_tokens_and_ignores_masked_poison():
     t[tuple(at[5])] = float("nan")
     e[tuple(at[9])] = float("inf")
     got = summary(t, s, e)
-    assert got["nonfinite_tokens"] == 2 and got["tokens"] == clean["tokens"]
-    assert all(math.isfinite(got[k]) for k in ("kl_k3", "kl_k1", "kl_exact", "ess"))
+    assert got.nonfinite_tokens == 2 and got.tokens == clean.tokens
+    assert all(math.isfinite(got.figure(k)) for k in ("kl_k3", "kl_k1", "kl_exact", "ess"))
 
 
 @pytest.mark.parametrize("arm", ["grpo", "sc+mis"])

@@ -41,7 +41,7 @@ def test_probe_json_schema_and_outputs(moe_dir, prompt_file, tmp_path):
     from mismatch.probes.summary import ProbeSummary
 
     record = ProbeSummary.from_json(written)  # the file reads back as its record
-    assert record.to_json() == s and record.total["kl_k3"] == s["total"]["kl_k3"]
+    assert record.to_json() == s and record.total.kl_k3 == s["total"]["kl_k3"]
     assert written.pop("command").startswith("mismatch") and written == s
     for name in ("log_ratio_hist.png", "per_position.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -129,18 +129,22 @@ def test_measured_mode_on_the_named_gpu(tmp_path):
 def test_probe_summary_json_keeps_each_runs_keys_in_order():
     """results.json's key order is a contract: the quick probe's and the sources runner's
     summaries come from one record and keep their own keys, optional ones only where set."""
-    from mismatch.probes.summary import ProbeSummary
+    from mismatch.probes.base import SourceResult
+    from mismatch.probes.kl_summary import KLSummary
+    from mismatch.probes.summary import CITarget, ProbeSummary
 
     head = dict(gpu="b200", dtype="nvfp4", kv_cache="bf16", trainer_dtype="bf16",
                 mode="emulated", model="embedded", kernel_path="k", attention="a", prompts=4,
-                tokens=96, total={"kl_k3": 1e-3}, sources={"precision": {"kl_k3": 2e-3}})
+                tokens=96, total=KLSummary(kl_k3=1e-3),
+                sources={"precision": KLSummary(kl_k3=2e-3)})
     quick = ProbeSummary(**head, trainer_kernels="torch").to_json()
     assert list(quick) == ["gpu", "dtype", "kv_cache", "trainer_dtype", "trainer_kernels", "mode",
                            "model", "kernel_path", "attention", "prompts", "tokens", "total",
                            "sources"]
-    runner = ProbeSummary(**head, trainer_gpu="b200", ci_target={"target": None, "met": None,
-                                                                  "unmet": []},
-                          ladder={"steps": []}).to_json()
+    runner = ProbeSummary(**head, trainer_gpu="b200",
+                          ci_target=CITarget(target=0.0, met=None, unmet=[]),
+                          ladder=SourceResult(name="ladder", headline=None,
+                                              extra={"steps": []})).to_json()
     assert list(runner) == ["gpu", "dtype", "kv_cache", "trainer_dtype", "trainer_gpu", "mode",
                             "model", "kernel_path", "attention", "prompts", "tokens", "total",
                             "ci_target", "sources", "ladder"]

@@ -85,8 +85,8 @@ def test_measure_round_trips_scores_the_lossy_case(ctx):
     assert sum(figures["first_change_relative_position_hist"]) == 1
     assert "evaluate" in figures["examples"][0]
     s = tally.summary()
-    assert s["tokens"] == len(gold) + len(odd) - 9  # every token but the respelled ones
-    assert s["kl_exact"] > 0  # tokens after the change see another segmentation
+    assert s.tokens == len(gold) + len(odd) - 9  # every token but the respelled ones
+    assert s.kl_exact > 0  # tokens after the change see another segmentation
     lr = tally.log_ratio()
     # the gold row and the odd row's unchanged prefix compare to themselves: exactly 0
     assert torch.count_nonzero(lr[:len(gold) + len(lead)]) == 0
@@ -123,11 +123,11 @@ def test_gold_conversation_is_prefix_stable_and_tito_exact(ctx):
     figures, tally, changed = measure_episodes(ctx, traces, "tito")
     assert figures["changed_episode_fraction"] == 0 and changed.tokens == 0
     assert figures["verbatim_turn_fraction"] == 1.0
-    assert tally.summary()["kl_exact"] == 0.0 and torch.all(tally.log_ratio() == 0)
+    assert tally.summary().kl_exact == 0.0 and torch.all(tally.log_ratio() == 0)
     first, first_tally, _ = measure_episodes(ctx, [t.first_question() for t in traces],
                                              "template")
     assert first["changed_episode_fraction"] == 0  # one question: only tool results follow
-    assert first_tally.summary()["kl_exact"] == 0.0
+    assert first_tally.summary().kl_exact == 0.0
 
 
 def _reasoning_dropped(ctx, case: str, tasks) -> tuple:
@@ -152,10 +152,10 @@ def test_template_drops_earlier_reasoning(ctx, case):
     # the turns after the last user message are verbatim in both; the earlier ones are not
     assert 0 < figures["verbatim_turn_fraction"] < 1
     s = tally.summary()
-    assert s["tokens"] == changed.tokens > 0 and s["kl_exact"] > 0
+    assert s.tokens == changed.tokens > 0 and s.kl_exact > 0
     control, control_tally, _ = measure_episodes(ctx, traces, "tito")
     assert control["changed_episode_fraction"] == 0
-    assert control_tally.summary()["kl_exact"] == 0.0
+    assert control_tally.summary().kl_exact == 0.0
     assert control_tally.tokens == sum(n for t in traces for _, n in t.turns)
 
 
@@ -185,11 +185,11 @@ def test_run_tito_control_is_exactly_zero(ctx):
     e = result.extra
     assert e["render"] == "tito" and e["episodes"] == SMALL.episodes
     assert e["changed_episode_fraction"] == 0.0 and e["changed_sequence_fraction"] == 0.0
-    assert result.headline["tokens"] > 0 and result.headline["kl_exact"] == 0.0
-    assert result.headline["kl_k3"] == 0.0
+    assert result.headline.tokens > 0 and result.headline.kl_exact == 0.0
+    assert result.headline.kl_k3 == 0.0
     assert torch.all(result.log_ratio == 0)
     for part in result.parts.values():
-        assert part["kl_exact"] == 0.0
+        assert part.kl_exact == 0.0
 
 
 def test_run_template_is_json_ready(ctx):
@@ -200,7 +200,7 @@ def test_run_template_is_json_ready(ctx):
     assert out["sampled_tokens"] > 0 and out["episodes"] == SMALL.episodes
     for part in ("decode_reencode", "multi_turn_template"):
         assert out["parts"][part]["tokens"] > 0 and out["parts"][part]["kl_exact"] >= 0, part
-    assert out["parts"]["multi_turn_template"] == result.headline
+    assert out["parts"]["multi_turn_template"] == result.headline.to_json()
     assert 0 <= out["changed_token_fraction"] <= out["changed_sequence_fraction"] <= 1
     # a second question is a user message: the reasoning before it is dropped on re-rendering
     assert out["changed_episode_fraction"] > 0

@@ -76,8 +76,8 @@ def test_identical_configurations_give_exactly_zero(ctx, batch, variant):
     tally = Tally()
     tally.add(ctx.evaluator._evaluate(v, batch), ctx.evaluate(v, batch), batch.mask)
     s = tally.summary()
-    assert s["tokens"] > 0
-    assert s["kl_exact"] == 0 and s["kl_k3"] == 0 and s["abs_logprob_diff_max"] == 0
+    assert s.tokens > 0
+    assert s.kl_exact == 0 and s.kl_k3 == 0 and s.abs_logprob_diff_max == 0
 
 
 def test_injected_logit_shift_is_recovered_against_float64():
@@ -96,10 +96,10 @@ def test_injected_logit_shift_is_recovered_against_float64():
     tally.add(ref, oth, torch.ones(3, 5))
     expected = (c * mu[..., j].exp() - torch.log1p(pi[..., j].exp() * math.expm1(c))).mean()
     s = tally.summary()
-    assert s["kl_exact"] == pytest.approx(float(expected), rel=1e-4)
+    assert s.kl_exact == pytest.approx(float(expected), rel=1e-4)
     # on token j, log μ − log π = c − log(1 + π_j(e^c − 1)) = k1
     k1 = (c - torch.log1p(pi[..., j].exp() * math.expm1(c))).mean()
-    assert s["kl_k1"] == pytest.approx(float(k1), rel=1e-4)
+    assert s.kl_k1 == pytest.approx(float(k1), rel=1e-4)
 
 
 def test_kernels_probe_known_answers(moe_dir, prompt_file):
@@ -109,14 +109,15 @@ def test_kernels_probe_known_answers(moe_dir, prompt_file):
         probe.on_batch(ctx.sample_batch(i))
     r = probe.finish()
     # a batch of one *is* the sequence alone: exactly 0
-    assert r.parts["batch"]["kl_exact"] == 0 and r.parts["batch"]["abs_logprob_diff_max"] == 0
+    assert r.parts["batch"].kl_exact == 0 and r.parts["batch"].abs_logprob_diff_max == 0
     # every kernel habit that changes a reduction order or a rounding shows up
     for name in ("decode", "attention", "router_fp32"):
-        assert r.parts[name]["abs_logprob_diff_max"] > 0, name
-    assert r.headline["kl_exact"] > 0
+        assert r.parts[name].abs_logprob_diff_max > 0, name
+    assert r.headline.kl_exact > 0
     out = r.to_json()
-    assert (out["kl_exact"], out["kl_k3"]) == (r.headline["kl_exact"], r.headline["kl_k3"])
-    assert out["kl_exact_ci95"] == r.headline["kl_exact_ci95"] and out["parts"] == r.parts
+    assert (out["kl_exact"], out["kl_k3"]) == (r.headline.kl_exact, r.headline.kl_k3)
+    assert out["kl_exact_ci95"] == r.headline.kl_exact_ci95
+    assert out["parts"] == {name: s.to_json() for name, s in r.parts.items()}
     assert out["notes"] == r.notes and all(isinstance(n, str) and n for n in out["notes"])
 
 
@@ -143,14 +144,14 @@ def test_split_k_changes_only_the_fp32_summation_order():
 def test_batch_composition_is_seen_in_mixed_batches(ctx, batch):
     tally = Tally()
     ctx.compare(tally, Variant(spec=ctx.trainer, alone=True), ctx.reference, batch)
-    assert tally.summary()["abs_logprob_diff_max"] > 0  # padding and neighbours change sums
+    assert tally.summary().abs_logprob_diff_max > 0  # padding and neighbours change sums
 
 
 def test_split_k_of_one_is_the_reference(ctx, batch):
     tally = Tally()
     tally.add(ctx.evaluator._evaluate(Variant(spec=with_spec(ctx.trainer, split_k=1)), batch),
               ctx.evaluate(ctx.reference, batch), batch.mask)
-    assert tally.summary()["abs_logprob_diff_max"] == 0
+    assert tally.summary().abs_logprob_diff_max == 0
 
 
 def test_routing_replay_removes_the_routing_term(ctx, batch):
@@ -180,8 +181,8 @@ def test_routing_replay_removes_the_routing_term(ctx, batch):
     same, moved = Tally(), Tally()
     same.add(trainer, without, batch.mask)
     moved.add(without, replayed, batch.mask)
-    assert same.summary()["kl_exact"] == 0 and same.summary()["abs_logprob_diff_max"] == 0
-    assert moved.summary()["kl_exact"] > 0 and moved.summary()["abs_logprob_diff_max"] > 0
+    assert same.summary().kl_exact == 0 and same.summary().abs_logprob_diff_max == 0
+    assert moved.summary().kl_exact > 0 and moved.summary().abs_logprob_diff_max > 0
     per_layer, any_layer, n = routing_flips(routing, trainer.routing, real)
     assert per_layer[0] > 0 and per_layer[1] == 0 and 0 < any_layer <= n
 
@@ -211,11 +212,11 @@ def test_accelerator_probe_twins_and_fleet(ctx, batch):
     r = probe.finish()
     by_gpu = r.extra["kl_exact_by_gpu"]
     assert by_gpu["h100"] == by_gpu["h200"] and by_gpu["b200"] == by_gpu["b300"]
-    assert r.headline["kl_exact"] > 0  # B200's W8A8 FP32 sums vs H100's fast accumulation
+    assert r.headline.kl_exact > 0  # B200's W8A8 FP32 sums vs H100's fast accumulation
     shares = r.extra["fleet_shares"]
     assert len(shares) == 8 and sum(shares.values()) == pytest.approx(1)
     w = r.extra["fleet_weighted"]["kl_exact"]
-    groups = [r.parts[f"fleet {g}"]["kl_exact"] for g in shares]
+    groups = [r.parts[f"fleet {g}"].kl_exact for g in shares]
     assert min(groups) <= w <= max(groups)
 
 
@@ -224,7 +225,7 @@ def test_accelerator_alone_is_zero_on_the_trainers_own_gpu(moe_dir, prompt_file)
     probe = AcceleratorProbe(ctx)
     probe.on_batch(ctx.sample_batch(0))
     r = probe.finish()
-    assert r.headline["kl_exact"] == 0 and r.headline["abs_logprob_diff_max"] == 0
+    assert r.headline.kl_exact == 0 and r.headline.abs_logprob_diff_max == 0
     assert r.extra["kl_exact_by_gpu"]["b200"] > 0  # the full sampler still differs
 
 
@@ -257,7 +258,7 @@ def test_sampling_probe_top_p_one_is_raw(moe_dir, prompt_file):
     r = sampling.run(ctx)
     assert r.extra["sampler_mass_outside"] == pytest.approx(0, abs=1e-6)
     assert r.extra["processed_minus_raw_mean"] == pytest.approx(0, abs=1e-6)
-    assert r.parts["processed"]["kl_exact"] == pytest.approx(r.parts["raw"]["kl_exact"], rel=1e-3)
+    assert r.parts["processed"].kl_exact == pytest.approx(r.parts["raw"].kl_exact, rel=1e-3)
 
 
 def test_sampling_probe_top_p_bias_is_bounded(moe_dir, prompt_file):
@@ -333,8 +334,8 @@ def test_tally_of_one_sequence_has_no_interval_but_a_value():
     tally.add(torch.zeros(1, 3), torch.full((1, 3), -0.1), torch.ones(1, 3),
               exact=torch.full((1, 3), 0.01))
     s = tally.summary()
-    assert s["kl_exact"] == pytest.approx(0.01) and s["tokens"] == 3
-    assert all(math.isnan(v) for v in s["kl_exact_ci95"]) and s["ci_target_met"] is False
+    assert s.kl_exact == pytest.approx(0.01) and s.tokens == 3
+    assert all(math.isnan(v) for v in s.kl_exact_ci95) and s.ci_target_met is False
 
 
 def test_ci_target_draws_more_prompts_until_met_or_capped(monkeypatch):

@@ -83,9 +83,9 @@ def _probe_figures(group: PlanGroup, model: Path | None, model_key: str, n_promp
         f"{n_prompts} prompts")
     result = run_probe(ProbeConfig(gpu=group.gpu, dtype=group.dtype, kv_cache=group.kv_cache,
                                    model=model, n_prompts=n_prompts, seed=seed, emulate=True))
-    total = result.summary["total"]
-    figures = {"kl": float(total["kl_exact"]), "masked": float(total["mis_masked_fraction"]),
-               "mode": result.summary.get("mode", "emulated")}
+    total = result.record.total
+    figures = {"kl": float(total.kl_exact), "masked": float(total.mis_masked_fraction),
+               "mode": result.record.mode}
     if cache is not None:
         try:
             cache.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ and the trainer side may run transformer-engine's linear layers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -114,9 +114,11 @@ def run_probe(cfg: ProbeConfig, progress: Callable[[int, int], None] | None = No
         columns = {name: tallies[name].summary(cfg.seed) for name in SPLIT}
         references = {name: tallies[name].summary(cfg.seed)
                       for name in REFERENCES if name in tallies}
-    for name, col in (*columns.items(), *references.items()):
-        # tokens drawn from μ itself
-        col["k_estimators_valid"] = {**SPLIT, **REFERENCES}[name][1] == "sampler"
+    # the token estimators hold where the tokens were drawn from μ itself
+    columns = {name: replace(col, k_estimators_valid=SPLIT[name][1] == "sampler")
+               for name, col in columns.items()}
+    references = {name: replace(col, k_estimators_valid=REFERENCES[name][1] == "sampler")
+                  for name, col in references.items()}
     summary = ProbeSummary(
         gpu=spec.gpu, dtype=spec.dtype, kv_cache=spec.kv_cache,
         trainer_dtype=ctx.trainer.dtype, trainer_kernels=cfg.trainer_kernels,

@@ -143,43 +143,59 @@ def needed_sources(policy: Policy) -> tuple[str, ...]:
     return tuple(n for n in SOURCES if n in want)
 
 
-def dominant_source(summary: dict) -> str:
-    """The attribution source whose own headline KL is largest ("–" when none was measured)."""
+def _figures(summary):
+    from mismatch.probes.summary import Figures
+
+    return Figures.of(summary)
+
+
+def dominant_source(summary) -> str:
+    """The attribution source whose own headline KL is largest ("–" when none was measured);
+    `summary`: a ProbeSummary or a results.json body."""
     best, name = -1.0, "–"
+    sources = _figures(summary).sources
     for source in ATTRIBUTION:
-        s = summary.get("sources", {}).get(source, {})
-        value = s.get("kl_exact", s.get("kl_k3"))
+        value = _value(sources.get(source), "kl_exact", finite=False)
+        value = _value(sources.get(source), "kl_k3", finite=False) if value is None else value
         if isinstance(value, (int, float)) and math.isfinite(value) and value > best:
             best, name = value, source
     return name
 
 
-def _value(block: dict, key: str) -> float | None:
-    v = block.get(key) if isinstance(block, dict) else None
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and \
-        math.isfinite(v) else None
+def _value(block, key: str, finite: bool = True):
+    """Figure `key` of a source's result or a summary (KLSummary / SourceResult): a finite
+    number, else None (with finite=False: any number as it is)."""
+    v = block.figure(key) if block is not None else None
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    return v if not finite else float(v) if math.isfinite(v) else None
 
 
-def evaluate(policy: Policy, summary: dict) -> list[Check]:
-    """Every limit of the policy checked against a probe summary."""
-    top = dominant_source(summary)
+def evaluate(policy: Policy, summary) -> list[Check]:
+    """Every limit of the policy checked against a probe summary (a ProbeSummary or a
+    results.json body)."""
+    from mismatch.probes.base import SourceResult
+
+    figures = _figures(summary)
+    top = dominant_source(figures)
     checks = []
     for key, budget in policy.budgets.items():
         if "." in key:
             source, figure = key.split(".", 1)
-            block = summary.get("sources", {}).get(source, {})
+            block = figures.sources.get(source)
             value = _value(block, figure)
             note = "" if value is not None else (
-                "does not apply (dense model)" if block.get("applies") is False else
+                "does not apply (dense model)"
+                if isinstance(block, SourceResult) and not block.applies else
                 "not measured in this mode")
         else:
-            source, value = top, _value(summary.get("total", {}), key)
+            source, value = top, _value(figures.total, key)
             note = "" if value is not None else "not measured in this mode"
         checks.append(Check(metric=key, value=value, budget=budget,
                             passed=None if value is None else value <= budget,
                             source=source, note=note))
     for source, limits in policy.sources.items():
-        block = summary.get("sources", {}).get(source, {})
+        block = figures.sources.get(source)
         for key, budget in limits.items():
             value = _value(block, key)
             checks.append(Check(metric=f"{source}: {key}", value=value, budget=budget,

@@ -86,7 +86,7 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
                 progress("sampling on the server and re-scoring",
                          min(r0 + len(batch), len(prompts)), len(prompts))
         total = tally.summary(seed)
-    if not math.isfinite(total["kl_k3"]):
+    if not math.isfinite(total.kl_k3):
         raise ProbeError("the server's log-probs gave a non-finite KL; check that it reports "
                          "log-probs of the sampled tokens (not logits)")
     mode, source = client.logprob_mode(1.0)
@@ -95,7 +95,7 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
         "gpu": gpu, "dtype": dtype, "model": str(model) if model else "embedded",
         "trainer_dtype": "bf16", "prompts": len(prompts), "tokens": tally.tokens,
         "logprob_mode": mode, "logprob_mode_source": source, "canary": canary,
-        "total": total,
+        "total": total.to_json(),
         "sources": {"retokenization": {
             "changed_sequence_fraction": changed / max(sequences, 1), "sequences": sequences,
             "applies": True,

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from mismatch.io import atomic_directory, mark_output, save_figure
+from mismatch.probes.kl_summary import KLSummary
+from mismatch.probes.summary import Figures, ProbeSummary, as_record
 
 __all__ = ["format_table", "markdown_report", "split_check", "write_probe_outputs"]
 
@@ -41,51 +43,59 @@ _MEANING = ("Columns: `total` = KL(sampler ‖ trainer); `precision` = KL(precis
             "exceed it when the other partly cancels it.")
 
 
-def _columns(summary: dict) -> list[tuple[str, dict]]:
-    return ([("total", summary["total"])] + list(summary["sources"].items())
-            + list((summary.get("references") or {}).items()))
+Summary = ProbeSummary | dict
+"""A probe record, or a results.json body (read back through ProbeSummary / KLSummary)."""
 
 
-def _cell(col: dict, key: str, fmt: str | None) -> str:
-    if key in _ESTIMATOR and not col.get("k_estimators_valid", True):
+def _columns(summary: Summary) -> list[tuple[str, KLSummary]]:
+    return Figures.of(summary).columns
+
+
+def _cell(col: KLSummary, key: str, fmt: str | None) -> str:
+    if key in _ESTIMATOR and col.k_estimators_valid is False:
         return _OFF
-    if key not in col:
+    value = col.figure(key)
+    if value is None:
         return "-"
-    return "[{:.2e}, {:.2e}]".format(*col[key]) if fmt is None else fmt.format(col[key])
+    return "[{:.2e}, {:.2e}]".format(*value) if fmt is None else fmt.format(value)
 
 
-def _has_off(cols: list[tuple[str, dict]]) -> bool:
-    return any(not c.get("k_estimators_valid", True) for _, c in cols)
+def _has_off(cols: list[tuple[str, KLSummary]]) -> bool:
+    return any(c.k_estimators_valid is False for _, c in cols)
 
 
-def _footnote(cols: list[tuple[str, dict]]) -> str:
+def _footnote(cols: list[tuple[str, KLSummary]]) -> str:
     """The † note, naming the columns whose token estimators do not apply."""
-    off = [name for name, c in cols if not c.get("k_estimators_valid", True)]
+    off = [name for name, c in cols if c.k_estimators_valid is False]
     who = (f"the {off[0]} column" if len(off) == 1
            else f"the {', '.join(off[:-1])} and {off[-1]} columns")
     return _FOOTNOTE.format(who=who, its="its" if len(off) == 1 else "their")
 
 
-def split_check(summary: dict) -> str:
+def _half(interval: list[float]) -> float:
+    return (interval[1] - interval[0]) / 2
+
+
+def split_check(summary: Summary) -> str:
     """One sentence: the sum of the sources against the total, and any source above the total
     by more than the two intervals' half-widths (which would mean the sources cancel)."""
-    total = summary["total"]
-    if "kl_exact" not in total:
+    figures = Figures.of(summary)
+    total = figures.total
+    if total.kl_exact is None:
         return ""
-    half = (total["kl_exact_ci95"][1] - total["kl_exact_ci95"][0]) / 2
-    srcs = summary["sources"]
-    over = [name for name, c in srcs.items() if c["kl_exact"] > total["kl_exact"] + half +
-            (c["kl_exact_ci95"][1] - c["kl_exact_ci95"][0]) / 2]
+    srcs = {name: figures.headline(name) for name in figures.sources}
+    over = [name for name, c in srcs.items() if c.kl_exact > total.kl_exact
+            + _half(total.kl_exact_ci95) + _half(c.kl_exact_ci95)]
     line = (f"Exact KL: precision + accelerator = "
-            f"{sum(c['kl_exact'] for c in srcs.values()):.3e} against a total of "
-            f"{total['kl_exact']:.3e}.")
+            f"{sum(c.kl_exact for c in srcs.values()):.3e} against a total of "
+            f"{total.kl_exact:.3e}.")
     if over:
         line += (f" {', '.join(over)} exceeds the total beyond the intervals: the sources "
                  f"partly cancel in the full sampler.")
     return line
 
 
-def format_table(summary: dict) -> str:
+def format_table(summary: Summary) -> str:
     """A plain-text table of the figures (one column per source), for the terminal."""
     cols = _columns(summary)
     head = f"{'':<18}" + "".join(f"{name:>22}" for name, _ in cols)
@@ -97,26 +107,24 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(summary: dict, command: str) -> str:
-    cols = _columns(summary)
-    mode = summary["mode"].upper()
-    out = [f"# Probe: {summary['gpu']} {summary['dtype']} sampler vs {summary['trainer_dtype']} "
-           f"trainer ({mode})", "",
-           f"Command: `{command}`", "",
-           f"- mode: **{summary['mode']}** — " + (
-               "the sampler ran on this GPU's own kernels" if summary["mode"] == "measured" else
+def markdown_report(summary: Summary, command: str) -> str:
+    s = as_record(summary)
+    cols = _columns(s)
+    out = [f"# Probe: {s.gpu} {s.dtype} sampler vs {s.trainer_dtype} trainer ({s.mode.upper()})",
+           "", f"Command: `{command}`", "",
+           f"- mode: **{s.mode}** — " + (
+               "the sampler ran on this GPU's own kernels" if s.mode == "measured" else
                "the sampler's formats and kernels were emulated on this machine's CPU"),
-           f"- sampler: {summary['kernel_path']}; attention kernel family: {summary['attention']}; "
-           f"KV cache: {summary['kv_cache']}",
-           f"- model: {summary['model']}; prompts: {summary['prompts']}; completion tokens: "
-           f"{summary['tokens']}", "",
+           f"- sampler: {s.kernel_path}; attention kernel family: {s.attention}; "
+           f"KV cache: {s.kv_cache}",
+           f"- model: {s.model}; prompts: {s.prompts}; completion tokens: {s.tokens}", "",
            "| figure | " + " | ".join(name for name, _ in cols) + " |",
            "|---|" + "---:|" * len(cols)]
     for key, label, fmt in _ROWS:
         label = f"**{label}**" if key == "kl_exact" else label.replace("|", "\\|")
         out.append(f"| {label} | " + " | ".join(_cell(c, key, fmt) for _, c in cols) + " |")
     out += [""] + ([_footnote(cols), ""] if _has_off(cols) else [])
-    out += [_MEANING, "", split_check(summary), "",
+    out += [_MEANING, "", split_check(s), "",
             "![log-ratio histogram](log_ratio_hist.png)", "",
             "![per-position divergence](per_position.png)", ""]
     return "\n".join(out)
@@ -155,12 +163,12 @@ def _plots(tmp: Path, log_ratio: torch.Tensor, per_position: dict[str, list[floa
 def write_probe_outputs(out: Path, result, command: str, *, force: bool = True) -> Path:
     """Write results.json, report.md and two PNG plots into `out`, via a temporary sibling."""
     with atomic_directory(out, force=force) as tmp:
-        summary = dict(result.summary, command=command)
+        s: ProbeSummary = result.record
         mark_output(tmp, "probe")
-        (tmp / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
-        (tmp / "report.md").write_text(markdown_report(summary, command))
-        label = "EMULATED" if summary["mode"] == "emulated" else "MEASURED"
+        (tmp / "results.json").write_text(json.dumps(dict(s.to_json(), command=command),
+                                                     indent=2) + "\n")
+        (tmp / "report.md").write_text(markdown_report(s, command))
+        label = "EMULATED" if s.mode == "emulated" else "MEASURED"
         _plots(tmp, result.log_ratio_total, result.per_position,
-               f"{summary['gpu']} {summary['dtype']} vs {summary['trainer_dtype']} trainer "
-               f"({label})")
+               f"{s.gpu} {s.dtype} vs {s.trainer_dtype} trainer ({label})")
     return Path(out)
