@@ -12,14 +12,19 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
-from mismatch.profiles import NumericsSpec, resolve, trainer_spec
+from mismatch.engines.te import TRAINER_KERNELS
+from mismatch.profiles import LM_HEADS, NumericsSpec, resolve, trainer_spec
 
 from .errors import ProbeError
 from .retokenization import RetokenizationConfig
 from .sampling import SamplingConfig
 from .staleness import StalenessConfig
 
-__all__ = ["ProbeConfig"]
+__all__ = ["ProbeConfig", "LM_HEAD_SIDES"]
+
+LM_HEAD_SIDES = ("trainer", "sampler", "both")
+"""Where a probe's `lm_head` applies (`--lm-head-side`): the trainer side, the sampler's, or
+both."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,19 +98,17 @@ class ProbeConfig:
             raise ProbeError(f"--subset-prompts must be >= 1, got {self.subset_prompts}")
         if not 0 <= self.ci_target < 1 or self.max_prompts < self.n_prompts:
             raise ProbeError("--ci-target must be in [0, 1) and --max-prompts >= --n-prompts")
-        if self.lm_head not in ("compute", "fp32"):
-            raise ProbeError(f"--lm-head must be compute or fp32, got {self.lm_head!r}")
-        if self.lm_head_side not in ("trainer", "sampler", "both"):
-            raise ProbeError(f"--lm-head-side must be trainer, sampler or both, got "
-                             f"{self.lm_head_side!r}")
+        if self.lm_head not in LM_HEADS:
+            raise ProbeError(f"--lm-head must be {' or '.join(LM_HEADS)}, got {self.lm_head!r}")
+        if self.lm_head_side not in LM_HEAD_SIDES:
+            raise ProbeError(f"--lm-head-side must be {', '.join(LM_HEAD_SIDES[:-1])} or "
+                             f"{LM_HEAD_SIDES[-1]}, got {self.lm_head_side!r}")
         if self.fp32_reference and (self.sources or self.ladder):
             raise ProbeError("--fp32-reference is a column of the quick probe; run it without "
                              "--sources and --ladder")
         if self.trainer_dtype == "fp32" and (self.sources or self.ladder):
             raise ProbeError("--trainer-dtype fp32 is a reference for the quick probe; the "
                              "source probes (--sources, --ladder) run a bf16 or fp16 trainer")
-        from mismatch.engines.te import TRAINER_KERNELS
-
         if self.trainer_kernels not in TRAINER_KERNELS:
             raise ProbeError(f"unknown --trainer-kernels {self.trainer_kernels!r}; valid: "
                              f"{', '.join(TRAINER_KERNELS)}")

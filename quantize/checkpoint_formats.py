@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from mismatch.registry import add_once
 
-from .codecs import get_codec
+from .codec_table import get_codec
 from .errors import QuantizeError
 from .precisions import PRECISIONS
 

@@ -79,20 +79,6 @@ def test_help_imports_nothing_heavy():
     assert probe.stdout.strip() == "False False"
 
 
-def test_preset_help_names_every_registered_preset():
-    """`--preset` help of train and study names exactly the registries' presets (study's is
-    built from its registry; train's is written out so that --help need not import torch)."""
-    from mismatch.train.config import RUN_PRESETS
-    from mismatch.study.cells import STUDY_PRESETS
-
-    root = typer.main.get_command(app)
-    for command, registry in (("train", RUN_PRESETS), ("study", STUDY_PRESETS)):
-        option = next(p for p in root.commands[command].params if p.name == "preset")
-        named = [w.strip(" .") for w in option.help.split("|")]
-        assert [w.split(" (")[0] for w in named] == list(registry), command
-        assert option.default in registry
-
-
 def test_formats_and_profiles_print_tables():
     runner = CliRunner()
     res = runner.invoke(app, ["formats"])
@@ -219,51 +205,3 @@ def test_stderr_off_a_terminal_has_progress_lines_and_no_library_chatter(args, t
     assert any(line.startswith("mismatch: ") and " done" in line for line in lines), proc.stderr
     for chatter in ("Failed to load", "_pytree", "Warning", "warn("):
         assert chatter not in proc.stderr, proc.stderr
-
-
-def _listed(help_text: str) -> list[str]:
-    """The names a help text lists (after 'Comma-separated among', its first ':' or else its
-    first '('): comma-, 'or'- and '|'-separated, '(or topp)' kept as a name, other
-    parentheticals such as '(default: ...)' dropped."""
-    import re
-
-    lead = re.search(r"comma-separated among\s+", help_text, flags=re.I)
-    body = (help_text[lead.end():] if lead else help_text.split(":", 1)[1] if ":" in help_text
-            else help_text.split("(", 1)[1])
-    body = re.sub(r"\((?!or )[^)]*\)", "", body)  # '(default: ...)', '(homogeneous)'
-    body = re.split(r"\)?[.;—]\s|\)$|\.$", body)[0]
-    body = re.sub(r"^\s*a comma list of\s+", "", body)
-    words = re.split(r",\s*(?:or\s+)?|\s+or\s+|\s*\|\s*|\s*\(or\s+", body)
-    return [w.strip(" .()") for w in words if w.strip(" .()")]
-
-
-def test_every_choice_list_in_help_names_its_registry():
-    """The choice lists typed out in --help (so that --help imports no torch) name exactly what
-    the registries accept: a registered GPU, dtype, KV format, source or arm missing from the
-    help — or a name in the help nobody accepts — fails here, not in a user's terminal."""
-    from mismatch.cli.common import ARM_ALIASES, STUDY_ARM_ALIASES
-    from mismatch.fleets import FLEETS as FLEET_PRESETS
-    from mismatch.probes import SOURCES
-    from mismatch.profiles import DTYPES, GPUS, KV_CACHES, TRAINER_DTYPES
-    from mismatch.train.loss import ARMS
-    from mismatch.study.cells import STUDY_ARMS, STUDY_FLEETS
-
-    root = typer.main.get_command(app)
-
-    def names(command: str, param: str) -> set[str]:
-        option = next(p for p in root.commands[command].params if p.name == param)
-        return set(_listed(option.help))
-
-    expected = {
-        ("probe", "gpu"): set(GPUS), ("qualify", "gpu"): set(GPUS),
-        ("probe", "dtype"): set(DTYPES), ("qualify", "dtype"): set(DTYPES),
-        ("probe", "kv_cache"): set(KV_CACHES), ("qualify", "kv_cache"): set(KV_CACHES),
-        ("probe", "sources"): {*SOURCES, "all"},
-        ("train", "correction"): {*ARMS, *ARM_ALIASES},
-        ("study", "arms"): {*STUDY_ARMS, *STUDY_ARM_ALIASES},
-    }
-    for (command, param), want in expected.items():
-        assert names(command, param) == want, (command, param)
-    fleets = names("study", "fleets")
-    assert set(STUDY_FLEETS) <= fleets and set(STUDY_FLEETS.values()) <= set(FLEET_PRESETS)
-    assert names("probe", "trainer_dtype") == set(TRAINER_DTYPES)

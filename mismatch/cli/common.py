@@ -7,9 +7,9 @@ from typing import NoReturn
 
 import typer
 
-__all__ = ["ARM_ALIASES", "EXIT_BAD_INPUT", "LineProgress", "STUDY_ARM_ALIASES", "fail", "one_of",
-           "preset_help",
-           "quiet_libraries", "run_with_bars", "run_with_state_bar"]
+__all__ = ["ARM_ALIASES", "EXIT_BAD_INPUT", "LineProgress", "STUDY_ARM_ALIASES", "choice_list",
+           "fail", "one_of", "preset_help", "quiet_libraries", "run_with_bars",
+           "run_with_state_bar"]
 
 EXIT_BAD_INPUT = 2
 """Exit code of bad input (a one-line error on stderr)."""
@@ -26,6 +26,21 @@ def one_of(value, former, name: str = "--n-prompts", former_name: str = "--promp
         raise ValueError(f"{former_name} is the former name of {name}; pass {name} alone")
     return value if former is None else former
 
+
+
+def choice_list(names, notes: dict[str, str] | None = None, *, sep: str = ", ",
+                last: str = " or ") -> str:
+    """A help text's choices, from a registry's names in its order: "a, b or c" (`sep` between
+    names, `last` before the last one), each followed by "(its note)" where `notes` has one. A
+    note for a name the registry does not hold is an error, so a renamed entry cannot keep a
+    stale note."""
+    names = list(names)
+    notes = notes or {}
+    stale = [n for n in notes if n not in names]
+    if stale:
+        raise ValueError(f"choice notes for {', '.join(stale)}: not among {', '.join(names)}")
+    items = [f"{n} ({notes[n]})" if n in notes else n for n in names]
+    return items[0] if len(items) == 1 else sep.join(items[:-1]) + last + items[-1]
 
 
 def preset_help(registry: dict) -> str:

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import typer
 
+from mismatch.cli.common import choice_list
 from mismatch.probes.monitor.formats import ADAPTERS
+from mismatch.probes.monitor.signals import SEVERITIES
 
 __all__ = ["monitor_command"]
 
@@ -80,7 +82,7 @@ def monitor_command(
                                  "signal, severity, value, baseline, message), then a summary "
                                  "object."),
     fail_on: str = typer.Option("critical", "--fail-on", help="Exit 1 if an alert at or above "
-                                "this severity fired: warning or critical."),
+                                f"this severity fired: {choice_list(SEVERITIES)}."),
     alert_log: Path | None = typer.Option(None, "--alert-log", help="Also append each alert as a "
                                           "JSON line to this file."),
     prometheus_port: int | None = typer.Option(None, "--prometheus-port", help="Serve signals "
@@ -126,8 +128,8 @@ def monitor_command(
 def _setup(file: Path, *, fmt, mapping, fail_on, follow, poll_interval, max_idle, baseline,
            kl_floor, masked_loss, as_json, alert_log, prometheus_port, webhook):
     """The options checked (ValueError / OSError: one line): (adapter, MonitorConfig, sinks)."""
-    from mismatch.probes.monitor import (SEVERITIES, MonitorConfig, baselines_from_log,
-                                         check_log, default_rules, open_sinks, with_kl_floor)
+    from mismatch.probes.monitor import (MonitorConfig, baselines_from_log, check_log,
+                                         default_rules, open_sinks, with_kl_floor)
     from mismatch.probes.monitor.formats import get_adapter
 
     if fail_on not in SEVERITIES:

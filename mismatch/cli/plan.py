@@ -11,13 +11,14 @@ from pathlib import Path
 
 import typer
 
-from mismatch.cli.common import fail
+from mismatch.cli.common import choice_list, fail
+from mismatch.plan.spec import BILLINGS
 
 
 def plan_command(
     fleet: Path = typer.Argument(..., help="Fleet file (TOML): [update], [budget], [[group]] "
                                  "(docs/plan.md)."),
-    billing: str | None = typer.Option(None, "--billing", help="serverless or reserved "
+    billing: str | None = typer.Option(None, "--billing", help=f"{choice_list(BILLINGS)} "
                                        "(default: the file's budget.billing)."),
     kl: float | None = typer.Option(None, "--kl", help="KL budget, overriding the file's."),
     model: Path | None = typer.Option(None, "--model", help="Hugging Face model directory whose "

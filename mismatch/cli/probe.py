@@ -8,19 +8,23 @@ from typing import Annotated
 
 import typer
 
-from mismatch.cli.common import fail, quiet_libraries, run_with_bars
+from mismatch.cli.common import choice_list, fail, quiet_libraries, run_with_bars
+from mismatch.engines.te import TRAINER_KERNELS
+from mismatch.probes import SOURCES
+from mismatch.profiles import DTYPES, GPUS, KV_CACHES, LM_HEADS, TRAINER_DTYPES
 
-_P_GPU = Annotated[str, typer.Option("--gpu", help="Sampler GPU: a100, h100, h200, b200, b300, "
-    "rtx-pro-6000.")]
-_P_DTYPE = Annotated[str, typer.Option("--dtype", help="Sampler precision: bf16, fp16, fp8, "
-    "w4a16-nvfp4, nvfp4, mxfp4.")]
-_P_KV_CACHE = Annotated[str | None, typer.Option("--kv-cache", help="KV cache: bf16 or fp8 "
-    "(default: the compute dtype).")]
-_P_TRAINER_DTYPE = Annotated[str, typer.Option("--trainer-dtype", help="Trainer side: bf16, "
-    "fp16 or fp32 (a reference; the quick probe only).")]
-_P_LM_HEAD = Annotated[str, typer.Option("--lm-head", help="The LM head's precision: compute "
-    "(the side's dtype, logits rounded to it) or fp32 (inputs, weights and logits in FP32: "
-    "MiniMax-M1's mitigation).")]
+# the choice lists below are the registries' (torch-free modules: `--help` stays instant)
+_P_GPU = Annotated[str, typer.Option("--gpu", help=f"Sampler GPU: {choice_list(GPUS, last=', ')}.")]
+_P_DTYPE = Annotated[str, typer.Option("--dtype", help="Sampler precision: "
+    f"{choice_list(DTYPES, last=', ')}.")]
+_P_KV_CACHE = Annotated[str | None, typer.Option("--kv-cache", help="KV cache: "
+    f"{choice_list(KV_CACHES)} (default: the compute dtype).")]
+_P_TRAINER_DTYPE = Annotated[str, typer.Option("--trainer-dtype", help="Trainer side: "
+    f"{choice_list(TRAINER_DTYPES, {'fp32': 'a reference; the quick probe only'})}.")]
+_P_LM_HEAD = Annotated[str, typer.Option("--lm-head", help="The LM head's precision: "
+    + choice_list(LM_HEADS, {"compute": "the side's dtype, logits rounded to it",
+                             "fp32": "inputs, weights and logits in FP32: MiniMax-M1's "
+                                     "mitigation"}) + ".")]
 _P_LM_HEAD_SIDE = Annotated[str, typer.Option("--lm-head-side", help="Where --lm-head applies: "
     "trainer, sampler or both.")]
 _P_FP32_REFERENCE = Annotated[bool, typer.Option("--fp32-reference", help="Also score the "
@@ -43,8 +47,7 @@ _P_OUT = Annotated[Path | None, typer.Option("--out", help="Write results.json, 
 _P_FORCE = Annotated[bool, typer.Option("--force", help="Replace --out whatever it holds.")]
 _P_AS_JSON = Annotated[bool, typer.Option("--json", help="Print one JSON object to stdout.")]
 _P_SOURCES = Annotated[str | None, typer.Option("--sources", help="Break the mismatch down by "
-    "source: a comma list of kernels, precision, accelerator, routing, staleness, "
-    "retokenization, sampling, or all.")]
+    f"source: a comma list of {choice_list(SOURCES, last=', ')}, or all.")]
 _P_LADDER = Annotated[bool, typer.Option("--ladder", help="Add the sources one at a time "
     "(kernels -> + precision -> + accelerator) and attribute the total.")]
 _P_TRAINER_GPU = Annotated[str, typer.Option("--trainer-gpu", help="The trainer's GPU (the "
@@ -71,8 +74,9 @@ _P_EMULATE = Annotated[bool, typer.Option("--emulate", help="On a CUDA machine w
     "--gpu: emulate --gpu there (without it that is an error; with --gpu the local GPU, the "
     "sampler is measured).")]
 _P_TRAINER_KERNELS = Annotated[str, typer.Option("--trainer-kernels", help="Trainer-side linear "
-    "layers: torch (reference), or transformer-engine on a CUDA GPU: te (BF16), te-fp8, "
-    "te-mxfp8, te-nvfp4.")]
+    "layers: torch (reference), or transformer-engine on a CUDA GPU: "
+    + choice_list([k for k in TRAINER_KERNELS if k != "torch"], {"te": "BF16"}, last=", ")
+    + ".")]
 
 
 def probe_command(

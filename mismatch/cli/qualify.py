@@ -8,17 +8,19 @@ from pathlib import Path
 
 import typer
 
-from mismatch.cli.common import fail, quiet_libraries, run_with_bars
+from mismatch.cli.common import choice_list, fail, quiet_libraries, run_with_bars
+from mismatch.profiles import DTYPES, GPUS, KV_CACHES
 
 
 def qualify_command(
-    gpu: str | None = typer.Option(None, "--gpu", help="Emulated sampler GPU (a100, h100, h200, "
-                                   "b200, b300, rtx-pro-6000); with --sampler, the server's GPU "
-                                   "(labels the verdict)."),
-    dtype: str | None = typer.Option(None, "--dtype", help="Emulated sampler precision (bf16, "
-                                     "fp16, fp8, w4a16-nvfp4, nvfp4, mxfp4); with --sampler, the "
+    gpu: str | None = typer.Option(None, "--gpu", help="Emulated sampler GPU "
+                                   f"({choice_list(GPUS, last=', ')}); with --sampler, the "
+                                   "server's GPU (labels the verdict)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Emulated sampler precision "
+                                     f"({choice_list(DTYPES, last=', ')}); with --sampler, the "
                                      "server's weights (labels the verdict)."),
-    kv_cache: str | None = typer.Option(None, "--kv-cache", help="KV cache: bf16 or fp8."),
+    kv_cache: str | None = typer.Option(None, "--kv-cache",
+                                        help=f"KV cache: {choice_list(KV_CACHES)}."),
     model: Path | None = typer.Option(None, "--model", help="Hugging Face model directory "
                                       "(default: the embedded model); the trainer side."),
     policy: Path | None = typer.Option(None, "--policy", help="Policy TOML of budgets "

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from mismatch.cli.common import fail
+from mismatch.cli.common import choice_list, fail
+from mismatch.quantize.checkpoint_formats import CHECKPOINT_FORMATS, KV_CACHE_FORMATS
 
 def formats_command() -> None:
     """List the number formats (codecs) this build can encode, decode and emulate."""
@@ -22,10 +23,10 @@ def quantize_command(
     model: Path | None = typer.Option(
         None, "--model",
         help="Hugging Face checkpoint directory (BF16). Default: the embedded model."),
-    fmt: str = typer.Option(..., "--format", help="fp8, nvfp4, w4a16-nvfp4 or mxfp4."),
+    fmt: str = typer.Option(..., "--format", help=f"{choice_list(CHECKPOINT_FORMATS)}."),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint to."),
     kv_cache: str | None = typer.Option(
-        None, "--kv-cache", help="Also quantize the KV cache: fp8."),
+        None, "--kv-cache", help=f"Also quantize the KV cache: {choice_list(KV_CACHE_FORMATS)}."),
     calib_samples: int = typer.Option(16, "--calib-samples", help="Calibration sequences."),
     calib_seq_len: int = typer.Option(
         128, "--calib-seq-len", help="Tokens per calibration sequence."),

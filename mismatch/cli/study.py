@@ -14,8 +14,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from mismatch.cli.common import STUDY_ARM_ALIASES, one_of, preset_help, run_with_state_bar
-from mismatch.study.cells import STUDY_PRESETS
+from mismatch.cli.common import (STUDY_ARM_ALIASES, choice_list, one_of, preset_help,
+                                 run_with_state_bar)
+from mismatch.study.cells import STUDY_ARMS, STUDY_FLEETS, STUDY_PRESETS
 
 __all__ = ["study_command"]
 
@@ -33,12 +34,12 @@ _S_OUT = Annotated[Path, typer.Option("--out", help="Study directory: one `misma
 _S_REPORT = Annotated[Optional[Path], typer.Option("--report", help="Markdown report; plots go "
     "beside it (default: OUT/study.md).")]
 _S_PRESET = Annotated[str, typer.Option("--preset", help=preset_help(STUDY_PRESETS))]
-_S_FLEETS = Annotated[Optional[str], typer.Option("--fleets", help="Comma-separated: L0 "
-    "(homogeneous), L1 (precision), L2 (mixed), or fleet files (.toml, as `mismatch plan` "
-    "writes; runs named by the file's stem).")]
-_S_ARMS = Annotated[Optional[str], typer.Option("--arms", help="Comma-separated among grpo, "
-    "mis, sc, sc+mis, grpo+topp (or topp), sc+mis+topp — the names `mismatch train "
-    "--correction` takes.")]
+_S_FLEETS = Annotated[Optional[str], typer.Option("--fleets", help="Comma-separated: "
+    f"{choice_list(STUDY_FLEETS, STUDY_FLEETS, last=', ')}, or fleet files (.toml, as "
+    "`mismatch plan` writes; runs named by the file's stem).")]
+_S_ARMS = Annotated[Optional[str], typer.Option("--arms", help="Comma-separated among "
+    + choice_list(STUDY_ARMS, {v: f"or {k}" for k, v in STUDY_ARM_ALIASES.items()}, last=", ")
+    + " — the names `mismatch train --correction` takes.")]
 _S_SEEDS = Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds (0,1,2).")]
 _S_STALENESS = Annotated[Optional[str], typer.Option("--staleness", help="Comma-separated "
     "forced staleness values K.")]

@@ -17,7 +17,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from mismatch.cli.common import ARM_ALIASES, one_of, run_with_state_bar
+from mismatch.cli.common import (ARM_ALIASES, STUDY_ARM_ALIASES, choice_list, one_of,
+                                 run_with_state_bar)
+from mismatch.probes.monitor.signals import SEVERITIES
+from mismatch.profiles import LM_HEADS
+from mismatch.train.arms import ARMS
+from mismatch.train.config import RUN_PRESETS, RUN_TRAINER_DTYPES
+from mismatch.zoo.tasks import TASK_KINDS
 
 
 __all__ = ["train_command", "report_command"]
@@ -35,19 +41,24 @@ def _fleet_path(path: Optional[Path]) -> Optional[str]:
 
 _T_OUT = Annotated[Path, typer.Option("--out", help="Run directory (metrics.jsonl, "
     "alerts.jsonl, checkpoints/, eval.json, final/).")]
-_T_PRESET = Annotated[str, typer.Option("--preset", help="homogeneous | precision | mixed | "
-    "smoke (a few small steps on the mixed fleet, for CI).")]
+# the choice lists below are the registries' (torch-free modules: `--help` stays instant)
+_T_PRESET = Annotated[str, typer.Option("--preset", help=choice_list(
+    RUN_PRESETS, {"smoke": "a few small steps on the mixed fleet, for CI"}, sep=" | ",
+    last=" | ") + ".")]
 _T_FLEET_FILE = Annotated[Optional[Path], typer.Option("--fleet", help="Sample on this fleet "
     "file instead of the preset's fleet (the fleet.toml `mismatch plan` writes: groups and "
     "shares; with prices, every step logs sampling_cost_usd).")]
-_T_CORRECTION = Annotated[str, typer.Option("--correction", help="Loss arm: grpo, mis, icepop, "
-    "tis, sc, sc+mis, sc+tis, grpo+topp (or topp), sc+mis+topp — the names `mismatch study "
-    "--arms` takes.")]
+_T_CORRECTION = Annotated[str, typer.Option("--correction", help="Loss arm: " + choice_list(
+    [STUDY_ARM_ALIASES.get(a, a) for a in ARMS], {v: f"or {k}" for k, v in
+                                                  STUDY_ARM_ALIASES.items()}, last=", ")
+    + " — the names `mismatch study --arms` takes.")]
 _T_TRAINER_DTYPE = Annotated[str, typer.Option("--trainer-dtype", help="The trainer's compute "
-    "dtype: bf16, or fp32 (a reference; samplers still get BF16 weights).")]
+    "dtype: " + choice_list(RUN_TRAINER_DTYPES, {"fp32": "a reference; samplers still get BF16 "
+                                                         "weights"}, last=", or ") + ".")]
 _T_LM_HEAD = Annotated[str, typer.Option("--lm-head", help="The LM head's precision on the "
-    "trainer and every sampler: compute (BF16) or fp32 (inputs, weights and logits in FP32, as "
-    "MiniMax-M1 trained).")]
+    "trainer and every sampler: " + choice_list(LM_HEADS, {
+        "compute": "BF16", "fp32": "inputs, weights and logits in FP32, as MiniMax-M1 "
+                                   "trained"}) + ".")]
 _T_STEPS = Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (preset's "
     "default: 200; smoke: 3).")]
 _T_RESUME = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its "
@@ -82,9 +93,9 @@ _T_EVAL_EVERY = Annotated[Optional[int], typer.Option("--eval-every", help="Also
 _T_MODEL = Annotated[Optional[Path], typer.Option("--model", help="Start from this policy (a "
     "`mismatch zoo build --out` directory; default: the embedded model).")]
 _T_STOP_ON = Annotated[Optional[str], typer.Option("--stop-on", help="End the run, with a "
-    "checkpoint, on an alert: warning | critical.")]
+    f"checkpoint, on an alert: {choice_list(SEVERITIES, sep=' | ', last=' | ')}.")]
 _T_TASKS = Annotated[Optional[str], typer.Option("--tasks", help="Task mix: zoo, or kinds in "
-    "turn (arith, word, table, two_step), e.g. arith,table.")]
+    f"turn ({choice_list(TASK_KINDS, last=', ')}), e.g. arith,table.")]
 _T_SEED = Annotated[Optional[int], typer.Option("--seed", help="Router, task order, sampling.")]
 _T_BACKEND = Annotated[str, typer.Option("--backend", help="local (sampler threads in this "
     "process) | ray (sampler groups and the trainer as Ray actors).")]
@@ -144,8 +155,8 @@ def train_command(
             from mismatch.zoo.loading import check_model_dir
 
             check_model_dir(cfg.model)
-        if stop_on not in (None, "warning", "critical"):
-            raise ValueError(f"--stop-on must be warning or critical, got {stop_on!r}")
+        if stop_on is not None and stop_on not in SEVERITIES:
+            raise ValueError(f"--stop-on must be {choice_list(SEVERITIES)}, got {stop_on!r}")
         engine = _backend(backend, address=address, replicas=replicas, placement=placement,
                           trainer_ranks=trainer_ranks, weights_dir=weights_dir)
     except ValueError as exc:
