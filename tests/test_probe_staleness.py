@@ -76,10 +76,10 @@ def test_generated_steps_grow_kl_and_lag_zero_is_exact():
     res = _run(ctx)
     kl, k3 = _kl(res), _kl(res, "kl_k3_by_lag")
     assert kl[0] == 0.0 and k3[0] == 0.0
-    assert res.parts["lag 0"]["abs_logprob_diff_max"] == 0.0
+    assert res.parts["lag 0"].abs_logprob_diff_max == 0.0
     assert kl[3] > kl[1] > 0 and k3[1] > 0
     assert res.headline == res.parts["lag 1"]
-    assert res.log_ratio.numel() == res.headline["tokens"] > 0
+    assert res.log_ratio.numel() == res.headline.tokens > 0
     x = res.extra
     assert (x["source"], x["steps"], x["lr"]) == ("generated AdamW steps", 3, 1e-4)
     assert len(x["bf16_changed_fraction_by_step"]) == 3
@@ -112,7 +112,7 @@ def test_identical_checkpoints_give_zero(tiny, tmp_path):
     assert res.extra["lr"] is None and res.extra["mean_reward_by_step"] == []
     assert res.extra["bf16_changed_fraction_by_step"] == [0.0]
     assert _kl(res) == {0: 0.0, 1: 0.0} and _kl(res, "kl_k3_by_lag") == {0: 0.0, 1: 0.0}
-    assert res.headline["tokens"] > 0
+    assert res.headline.tokens > 0
 
 
 def test_different_checkpoints_in_natural_order(tiny, tmp_path):
