@@ -1,9 +1,11 @@
 """What one probe run is: the sampler's GPU and precision, the model, the prompts, the lengths.
 
 `ProbeConfig` is shared by the quick probe (`mismatch.app.probe`) and the source probes
-(`mismatch.probes.runner`). It holds what the run shares and composes the configs that a source
-probe owns (each in the probe's module, checked there): `sampling`, `staleness` and
-`retokenization`.
+(`mismatch.probes.runner`). It holds what the run shares and composes the options of the source
+probes that take any, each checked in its own config here: `sampling` (SamplingConfig),
+`staleness` (StalenessConfig) and `retokenization` (RetokenizationConfig); each probe's module
+re-exports its own. Nothing here imports torch, so the command line reads these names (and
+`LM_HEAD_SIDES`) without loading it.
 """
 
 from __future__ import annotations
@@ -16,15 +18,75 @@ from mismatch.engines.te import TRAINER_KERNELS
 from mismatch.profiles import LM_HEADS, NumericsSpec, resolve, trainer_spec
 
 from .errors import ProbeError
-from .retokenization import RetokenizationConfig
-from .sampling import SamplingConfig
-from .staleness import StalenessConfig
 
-__all__ = ["ProbeConfig", "LM_HEAD_SIDES"]
+__all__ = ["ProbeConfig", "LM_HEAD_SIDES", "SamplingConfig", "StalenessConfig",
+           "RetokenizationConfig"]
 
 LM_HEAD_SIDES = ("trainer", "sampler", "both")
 """Where a probe's `lm_head` applies (`--lm-head-side`): the trainer side, the sampler's, or
 both."""
+
+
+# the options of the source probes that take any (each probe module re-exports its own)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """What the sampling probe samples with."""
+
+    top_p: float = 0.9
+    """Nucleus mass of the probe's sampler (1: the full distribution, raw = processed)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_p <= 1:
+            raise ProbeError(f"the sampling probe's top-p must be in (0, 1], got {self.top_p}; "
+                             f"pass --top-p 0.9 for a typical nucleus or 1 for none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StalenessConfig:
+    """What the staleness probe measures."""
+
+    max_lag: int = 8
+    """Largest staleness (optimizer steps behind the trainer) measured."""
+    lr: float = 1e-4
+    """AdamW learning rate of the generated policy-gradient steps."""
+    checkpoints: Path | None = None
+    """A directory of the user's checkpoints in training order (replaces the generated steps)."""
+
+    def __post_init__(self) -> None:
+        if self.max_lag < 1:
+            raise ProbeError(f"the staleness probe's largest lag must be >= 1, got "
+                             f"{self.max_lag}; pass --staleness-max-lag 8 for the study's range")
+        if not self.lr > 0:
+            raise ProbeError(f"the staleness probe's learning rate must be > 0, got {self.lr}; "
+                             f"pass --staleness-lr 1e-4 (the default)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetokenizationConfig:
+    """How many episodes the multi-turn measurement drives, and how long."""
+
+    episodes: int = 32
+    """Conversations driven with the target sampler (held-out zoo tasks)."""
+    questions: int = 2
+    """Zoo tasks per conversation: the user asks the next one once an episode ends (one: the
+    RL environment's single-question episodes, where nothing but a nudge is a user message)."""
+    max_turns: int = 4
+    """Assistant turns per question at most (a calc call then a submit solve most tasks)."""
+    turn_tokens: int = 64
+    """Token cap of one assistant turn (the longest gold turn of the zoo tasks is 55 tokens)."""
+    examples: int = 2
+    """Changed sequences, and changed episodes, shown as text."""
+
+    def __post_init__(self) -> None:
+        if min(self.episodes, self.questions, self.max_turns, self.turn_tokens) < 1 \
+                or self.examples < 0:
+            raise ProbeError(f"the retokenization probe's episodes, questions, max_turns and "
+                             f"turn_tokens must be >= 1 and examples >= 0, got {self.episodes}, "
+                             f"{self.questions}, {self.max_turns}, {self.turn_tokens}, "
+                             f"{self.examples}; leave them at their defaults (32, 2, 4, 64, 2) "
+                             f"unless you size a test")
 
 
 @dataclass(frozen=True, kw_only=True)

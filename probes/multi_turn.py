@@ -19,7 +19,7 @@ from .context import ProbeContext
 from .tally import Tally
 
 if TYPE_CHECKING:
-    from .retokenization import RetokenizationConfig
+    from .config import RetokenizationConfig
 
 __all__ = ["Render", "drive_episodes", "measure_episodes"]
 

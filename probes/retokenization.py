@@ -42,47 +42,15 @@ other ids), `reserialized` (the turns' text itself changes).
 
 from __future__ import annotations
 
-
-from __future__ import annotations
-
-from dataclasses import dataclass
-
 from .aligned_pairs import summary_if_interval
 from .base import SourceResult
+from .config import RetokenizationConfig  # the probe's options (config.py: no torch)
 from .context import ProbeContext
-from .errors import ProbeError
 from .multi_turn import Render, drive_episodes, measure_episodes
 from .round_trip import measure_round_trips
 from .tally import KLSummary, Tally
 
 __all__ = ["RetokenizationConfig", "run"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RetokenizationConfig:
-    """How many episodes the multi-turn measurement drives, and how long."""
-
-    episodes: int = 32
-    """Conversations driven with the target sampler (held-out zoo tasks)."""
-    questions: int = 2
-    """Zoo tasks per conversation: the user asks the next one once an episode ends (one: the
-    RL environment's single-question episodes, where nothing but a nudge is a user message)."""
-    max_turns: int = 4
-    """Assistant turns per question at most (a calc call then a submit solve most tasks)."""
-    turn_tokens: int = 64
-    """Token cap of one assistant turn (the longest gold turn of the zoo tasks is 55 tokens)."""
-    examples: int = 2
-    """Changed sequences, and changed episodes, shown as text."""
-
-    def __post_init__(self) -> None:
-        if min(self.episodes, self.questions, self.max_turns, self.turn_tokens) < 1 \
-                or self.examples < 0:
-            raise ProbeError(f"the retokenization probe's episodes, questions, max_turns and "
-                             f"turn_tokens must be >= 1 and examples >= 0, got {self.episodes}, "
-                             f"{self.questions}, {self.max_turns}, {self.turn_tokens}, "
-                             f"{self.examples}; leave them at their defaults (32, 2, 4, 64, 2) "
-                             f"unless you size a test")
-
 
 
 def _sampled(ctx: ProbeContext, on_batch) -> tuple[list[list[int]], list[list[int]]]:

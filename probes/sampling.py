@@ -26,7 +26,6 @@ and with replay + log π(S).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -34,8 +33,8 @@ from mismatch.engines.logits import process_logits
 from mismatch.metrics import exact_kl, second_order
 
 from .base import SourceResult, pad_width
+from .config import SamplingConfig  # the probe's options (config.py: no torch)
 from .context import ProbeContext
-from .errors import ProbeError
 from .tally import Tally
 
 __all__ = ["SamplingConfig", "run"]
@@ -45,19 +44,6 @@ _MIN_MASS = 1e-300
 sampler's support."""
 _MAX_OUTSIDE_MASS = 1 - 1e-12
 """Cap of π(¬S) in log1p(−π(¬S)): keeps the term finite when π lies wholly outside S."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingConfig:
-    """What the sampling probe samples with."""
-
-    top_p: float = 0.9
-    """Nucleus mass of the probe's sampler (1: the full distribution, raw = processed)."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.top_p <= 1:
-            raise ProbeError(f"the sampling probe's top-p must be in (0, 1], got {self.top_p}; "
-                             f"pass --top-p 0.9 for a typical nucleus or 1 for none")
 
 
 def run(ctx: ProbeContext) -> SourceResult:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -51,31 +51,12 @@ import torch
 from mismatch.records import Rollout
 
 from .base import TORCH_DTYPES, Evaluation, SourceResult, pad_width
+from .config import StalenessConfig  # the probe's options (config.py: no torch)
 from .context import ProbeContext
 from .errors import ProbeError
 from .tally import Tally
 
 __all__ = ["StalenessConfig", "Ladder", "run", "rows_of", "fraction_changed"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StalenessConfig:
-    """What the staleness probe measures."""
-
-    max_lag: int = 8
-    """Largest staleness (optimizer steps behind the trainer) measured."""
-    lr: float = 1e-4
-    """AdamW learning rate of the generated policy-gradient steps."""
-    checkpoints: Path | None = None
-    """A directory of the user's checkpoints in training order (replaces the generated steps)."""
-
-    def __post_init__(self) -> None:
-        if self.max_lag < 1:
-            raise ProbeError(f"the staleness probe's largest lag must be >= 1, got "
-                             f"{self.max_lag}; pass --staleness-max-lag 8 for the study's range")
-        if not self.lr > 0:
-            raise ProbeError(f"the staleness probe's learning rate must be > 0, got {self.lr}; "
-                             f"pass --staleness-lr 1e-4 (the default)")
 
 
 class Ladder(Protocol):

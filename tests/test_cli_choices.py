@@ -21,10 +21,8 @@ TORCH_FREE = (
     "mismatch.quantize.format_table", "mismatch.quantize.checkpoint_formats",
     "mismatch.train.config", "mismatch.train.arms", "mismatch.probes", "mismatch.engines.te",
     "mismatch.study.cells", "mismatch.zoo.tasks", "mismatch.probes.monitor.signals",
-    "mismatch.probes.monitor.formats", "mismatch.plan.spec", "mismatch.cli",
-    pytest.param("mismatch.probes.config", marks=pytest.mark.xfail(
-        strict=True, reason="composes SamplingConfig, StalenessConfig and RetokenizationConfig, "
-                            "which live in probe modules that import torch")),
+    "mismatch.probes.monitor.formats", "mismatch.plan.spec", "mismatch.probes.config",
+    "mismatch.cli",
 )
 """The config and registry modules (and the command line, which reads them)."""
 

@@ -11,6 +11,7 @@ import typer
 from mismatch.cli.common import choice_list, fail, quiet_libraries, run_with_bars
 from mismatch.engines.te import TRAINER_KERNELS
 from mismatch.probes import SOURCES
+from mismatch.probes.config import LM_HEAD_SIDES
 from mismatch.profiles import DTYPES, GPUS, KV_CACHES, LM_HEADS, TRAINER_DTYPES
 
 # the choice lists below are the registries' (torch-free modules: `--help` stays instant)
@@ -26,7 +27,7 @@ _P_LM_HEAD = Annotated[str, typer.Option("--lm-head", help="The LM head's precis
                              "fp32": "inputs, weights and logits in FP32: MiniMax-M1's "
                                      "mitigation"}) + ".")]
 _P_LM_HEAD_SIDE = Annotated[str, typer.Option("--lm-head-side", help="Where --lm-head applies: "
-    "trainer, sampler or both.")]
+    f"{choice_list(LM_HEAD_SIDES)}.")]
 _P_FP32_REFERENCE = Annotated[bool, typer.Option("--fp32-reference", help="Also score the "
     "tokens with an FP32 model: two more columns, the sampler and the trainer each against "
     "FP32 (the quick probe).")]
