@@ -112,3 +112,32 @@ def test_bad_input_exits_2_and_leaves_nothing(tmp_path):
                                    str(tmp_path / "none.toml"), "--out", str(out)),
                           "does not exist")
     assert not out.exists() and not list(tmp_path.glob(".q.tmp-*"))
+
+
+def test_verdict_record_is_the_json_written_and_printed():
+    from dataclasses import replace
+
+    from mismatch.app.qualify import (Launched, Throughput, Verdict, markdown, verdict_result)
+
+    body = json.loads((Path(__file__).parent / "data" / "probe-results" /
+                       "sources-results.json").read_text())
+    body.pop("command")
+    policy = load_policy()
+    v = verdict_result(policy, body, mode="emulated", sampler="b200 nvfp4")
+    assert isinstance(v, Verdict) and v.summary is body
+    out = v.to_json()
+    assert list(out) == ["verdict", "mode", "sampler", "policy", "dominant_source", "checks",
+                         "throughput"]
+    assert out["verdict"] == v.verdict and v.passed == (v.verdict == "pass")
+    assert out["checks"] == [c.to_json() for c in evaluate(policy, body)]
+    assert out["throughput"] is None and out["dominant_source"] == dominant_source(body)
+    t = {"requests": 6, "retries": 0, "completion_tokens": 30, "seconds": 1.5,
+         "tokens_per_s": 20.0}
+    live = replace(v, mode="measured", throughput=Throughput.from_json(t),
+                   launched=Launched(engine="vllm", model="embedded", log="/tmp/x.log"))
+    out = live.to_json()
+    assert out["throughput"] == t and list(out["throughput"]) == list(t)
+    assert list(out)[-1] == "launched" and out["launched"]["engine"] == "vllm"
+    text = markdown(live, "mismatch qualify")
+    assert "server throughput: 20.0 completion tokens/s over 6 requests (0 retries)" in text
+    assert f"| {v.checks[0].metric} |" in text

@@ -14,9 +14,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DEFAULT_POLICY", "SOURCE_METRICS", "TOTAL_METRICS", "Check", "Policy",
-           "PolicyError", "dominant_source", "evaluate", "load_policy", "markdown",
-           "needed_sources", "qualify_emulated", "verdict", "write_outputs"]
+__all__ = ["DEFAULT_POLICY", "SOURCE_METRICS", "TOTAL_METRICS", "Check", "Launched", "Policy",
+           "PolicyError", "Throughput", "Verdict", "dominant_source", "evaluate", "load_policy",
+           "markdown", "needed_sources", "qualify_emulated", "verdict", "verdict_result",
+           "write_outputs"]
 
 DEFAULT_POLICY = Path(__file__).parent.parent / "policies" / "default.toml"  # mismatch/policies
 
@@ -76,6 +77,75 @@ class Check:
     def to_json(self) -> dict:
         return {"metric": self.metric, "value": self.value, "budget": self.budget,
                 "passed": self.passed, "source": self.source, "note": self.note}
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """A live server's totals over every request (the client's `throughput`)."""
+
+    requests: int
+    retries: int
+    completion_tokens: int
+    seconds: float
+    tokens_per_s: float
+    """Completion tokens per second of wall clock."""
+
+    def to_json(self) -> dict:
+        return {"requests": self.requests, "retries": self.retries,
+                "completion_tokens": self.completion_tokens, "seconds": self.seconds,
+                "tokens_per_s": self.tokens_per_s}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Throughput:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """The server `qualify --launch` started: its engine, model and log."""
+
+    engine: str
+    model: str
+    log: str
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "model": self.model, "log": self.log}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """A policy's verdict on a sampler, its checks, and the probe summary they read."""
+
+    verdict: str
+    """"pass" or "fail"."""
+    mode: str
+    """"emulated" or "measured"."""
+    sampler: str
+    """What was qualified."""
+    policy: str
+    """The policy's file (or the default's words)."""
+    dominant_source: str
+    """The attribution source whose headline KL is largest ("–": none measured)."""
+    checks: list[Check]
+    throughput: Throughput | None = None
+    """A live server's totals (measured mode)."""
+    summary: dict = field(default_factory=dict, repr=False)
+    """The evidence: the probe summary's results.json body (not part of verdict.json)."""
+    launched: Launched | None = None
+    """The server qualify started (--launch)."""
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    def to_json(self) -> dict:
+        """verdict.json, and what `--json` prints: everything but the summary."""
+        out = {"verdict": self.verdict, "mode": self.mode, "sampler": self.sampler,
+               "policy": self.policy, "dominant_source": self.dominant_source,
+               "checks": [c.to_json() for c in self.checks],
+               "throughput": self.throughput.to_json() if self.throughput is not None else None}
+        launched = {"launched": self.launched.to_json()} if self.launched is not None else {}
+        return out | launched
 
 
 def _toml(path: Path) -> dict:
@@ -210,38 +280,38 @@ def verdict(checks: list[Check]) -> str:
     return "fail" if any(c.passed is False for c in checks) else "pass"
 
 
-def markdown(result: dict, command: str) -> str:
+def markdown(result: Verdict, command: str) -> str:
     """The qualification report."""
-    v = result["verdict"].upper()
-    s = result["summary"]
-    label = result["mode"].upper()
-    out = [f"# Qualify: {result['sampler']} — {v} ({label})", "",
+    v = result.verdict.upper()
+    s = result.summary
+    label = result.mode.upper()
+    out = [f"# Qualify: {result.sampler} — {v} ({label})", "",
            f"Command: `{command}`", "",
-           f"- policy: `{result['policy']}`",
-           f"- mode: **{result['mode']}** — " + (
+           f"- policy: `{result.policy}`",
+           f"- mode: **{result.mode}** — " + (
                "a live inference server sampled; the trainer side re-scored locally"
-               if result["mode"] == "measured" else
+               if result.mode == "measured" else
                "the sampler's formats and kernels emulated on this machine's CPU"),
            f"- model: {s.get('model')}; prompts: {s.get('prompts')}; completion tokens: "
            f"{s.get('tokens')}",
-           f"- dominant source: **{result['dominant_source']}**" + (
+           f"- dominant source: **{result.dominant_source}**" + (
                " (a live server gives no per-source attribution: qualify the same GPU × "
                "precision emulated, `--gpu G --dtype D`, to see which source dominates)"
-               if result["dominant_source"] == "–" else ""), ""]
-    if result.get("throughput"):
-        t = result["throughput"]
-        out.insert(-1, f"- server throughput: {t['tokens_per_s']:.1f} completion tokens/s over "
-                       f"{t['requests']} requests ({t['retries']} retries)")
+               if result.dominant_source == "–" else ""), ""]
+    if result.throughput is not None:
+        t = result.throughput
+        out.insert(-1, f"- server throughput: {t.tokens_per_s:.1f} completion tokens/s over "
+                       f"{t.requests} requests ({t.retries} retries)")
     out += ["| check | value | budget | result | source | note |", "|---|---:|---:|:-:|---|---|"]
-    for c in result["checks"]:
-        value = "–" if c["value"] is None else f"{c['value']:.4g}"
-        res = {True: "pass", False: "**FAIL**", None: "n/a"}[c["passed"]]
-        out.append(f"| {c['metric']} | {value} | {c['budget']:.4g} | {res} | {c['source']} | "
-                   f"{c['note']} |")
+    for c in result.checks:
+        value = "–" if c.value is None else f"{c.value:.4g}"
+        res = {True: "pass", False: "**FAIL**", None: "n/a"}[c.passed]
+        out.append(f"| {c.metric} | {value} | {c.budget:.4g} | {res} | {c.source} | "
+                   f"{c.note} |")
     return "\n".join(out) + "\n"
 
 
-def write_outputs(out: Path, result: dict, command: str) -> Path:
+def write_outputs(out: Path, result: Verdict, command: str) -> Path:
     """verdict.json (the verdict and checks), results.json (the probe summary) and report.md,
     written together or not at all."""
     import json
@@ -250,14 +320,13 @@ def write_outputs(out: Path, result: dict, command: str) -> Path:
 
     with atomic_directory(out) as tmp:
         mark_output(tmp, "qualify")
-        verdict_json = {k: v for k, v in result.items() if k != "summary"}
-        (tmp / "verdict.json").write_text(json.dumps(verdict_json, indent=2) + "\n")
-        (tmp / "results.json").write_text(json.dumps(result["summary"], indent=2) + "\n")
+        (tmp / "verdict.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        (tmp / "results.json").write_text(json.dumps(result.summary, indent=2) + "\n")
         (tmp / "report.md").write_text(markdown(result, command))
     return Path(out)
 
 
-def qualify_emulated(cfg, policy: Policy, progress=None) -> dict:
+def qualify_emulated(cfg, policy: Policy, progress=None) -> Verdict:
     """Run the probes `policy` needs for an emulated sampler; the verdict and its evidence."""
     from dataclasses import replace
 
@@ -270,13 +339,13 @@ def qualify_emulated(cfg, policy: Policy, progress=None) -> dict:
 
 
 def verdict_result(policy: Policy, summary: dict, *, mode: str, sampler: str,
-                   throughput: dict | None = None) -> dict:
-    """The verdict of `policy` on a probe `summary`, with its checks and evidence (what
-    write_verdict writes and the CLI prints); `sampler` names what was qualified."""
+                   throughput: Throughput | None = None) -> Verdict:
+    """The verdict of `policy` on a probe `summary` (a results.json body), with its checks and
+    evidence (what write_outputs writes and the CLI prints); `sampler` names what was
+    qualified."""
     checks = evaluate(policy, summary)
-    return {"verdict": verdict(checks), "mode": mode, "sampler": sampler,
-            "policy": ("default (mismatch/policies/default.toml)" if policy.path == DEFAULT_POLICY
-                       else str(policy.path)),
-            "dominant_source": dominant_source(summary),
-            "checks": [c.to_json() for c in checks], "throughput": throughput,
-            "summary": summary}
+    return Verdict(verdict=verdict(checks), mode=mode, sampler=sampler,
+                   policy=("default (mismatch/policies/default.toml)"
+                           if policy.path == DEFAULT_POLICY else str(policy.path)),
+                   dominant_source=dominant_source(summary), checks=checks,
+                   throughput=throughput, summary=summary)

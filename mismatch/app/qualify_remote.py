@@ -18,6 +18,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from mismatch.app.probe import completion_slice
 from mismatch.probes.errors import ProbeError
 from mismatch.zoo.prompts import eos_ids, load_prompts
-from mismatch.app.qualify import Policy, verdict_result
+from mismatch.app.qualify import Launched, Policy, Throughput, Verdict, verdict_result
 from mismatch.remote.canary import run_canary
 from mismatch.remote.sglang_client import SglangClient
 from mismatch.remote.vllm_client import VllmClient
@@ -41,8 +42,8 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
                    n_prompts: int = 256, max_new_tokens: int = 48, seed: int = 0,
                    concurrency: int = 8, timeout: float = 60.0, gpu: str | None = None,
                    dtype: str | None = None,
-                   progress: Callable[[str, int, int], None] | None = None) -> dict:
-    """Sample from the server at `url`, re-score locally, check `policy`; the verdict dict."""
+                   progress: Callable[[str, int, int], None] | None = None) -> Verdict:
+    """Sample from the server at `url`, re-score locally, check `policy`; the verdict."""
     from mismatch.engines.numerics import apply_numerics
     from mismatch.engines.scorer import score
     from mismatch.probes.round_trip import round_trip
@@ -103,7 +104,7 @@ def qualify_remote(*, url: str, engine: str | None, model: Path | None, policy: 
     }
     label = client.label + (f" ({gpu} {dtype})" if gpu and dtype else "")
     return verdict_result(policy, summary, mode="measured", sampler=label,
-                   throughput=client.throughput)
+                          throughput=Throughput.from_json(client.throughput))
 
 
 def launched_server(engine: str, model: Path | None
@@ -138,7 +139,7 @@ def launched_server(engine: str, model: Path | None
 
 def qualify_launched(*, engine: str, model: Path | None, policy: Policy, seed: int = 0,
                      progress: Callable[[str, int, int], None] | None = None,
-                     **options) -> dict:
+                     **options) -> Verdict:
     """Start `engine` serving `model` on 127.0.0.1, qualify it as qualify_remote does (`options`:
     its n_prompts, max_new_tokens, concurrency, timeout, gpu, dtype), stop it. The verdict
     records the launch (`launched`: engine, model, the server's log). A server that does not
@@ -161,6 +162,6 @@ def qualify_launched(*, engine: str, model: Path | None, policy: Policy, seed: i
                                     seed=seed, progress=progress, **options)
     except EngineLaunchError as exc:
         raise ProbeError(str(exc)) from None
-    result["launched"] = {"engine": engine, "model": str(model) if model else "embedded",
-                          "log": str(log_path)}
-    return result
+    return replace(result, launched=Launched(engine=engine,
+                                             model=str(model) if model else "embedded",
+                                             log=str(log_path)))

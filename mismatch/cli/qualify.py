@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from mismatch.cli.common import choice_list, fail, quiet_libraries, run_with_bars
 from mismatch.profiles import DTYPES, GPUS, KV_CACHES
+
+if TYPE_CHECKING:
+    from mismatch.app.qualify import Verdict
 
 
 def qualify_command(
@@ -67,7 +71,7 @@ def qualify_command(
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     write_outputs(target, result, command)
     _print_verdict(result, target, as_json)
-    raise typer.Exit(0 if result["verdict"] == "pass" else 1)
+    raise typer.Exit(0 if result.passed else 1)
 
 
 def _emulated(gpu, dtype, kv_cache, pol, out, force, as_json, common, **sizes):
@@ -117,19 +121,19 @@ def _live(sampler, engine, launch, gpu, dtype, kv_cache, pol, out, force, as_jso
         url=sampler, engine=engine, progress=progress, **options), quiet=as_json)
 
 
-def _print_verdict(result: dict, target: Path, as_json: bool) -> None:
-    """The verdict on stdout: one JSON object, or a line per check."""
+def _print_verdict(result: Verdict, target: Path, as_json: bool) -> None:
+    """The verdict on stdout: one JSON object (verdict.json's), or a line per check."""
     if as_json:
-        typer.echo(json.dumps({k: v for k, v in result.items() if k != "summary"}))
+        typer.echo(json.dumps(result.to_json()))
         return
-    typer.echo(f"{result['sampler']}: {result['verdict'].upper()} "
-               f"({result['mode'].upper()}; policy {result['policy']}; dominant source "
-               f"{result['dominant_source']})")
-    for c in result["checks"]:
-        value = "-" if c["value"] is None else f"{c['value']:.4g}"
-        res = {True: "pass", False: "FAIL", None: "n/a"}[c["passed"]]
-        typer.echo(f"  {res:<5} {c['metric']:<42} {value:>11} <= {c['budget']:<9.4g} "
-                   f"[{c['source']}] {c['note']}")
+    typer.echo(f"{result.sampler}: {result.verdict.upper()} "
+               f"({result.mode.upper()}; policy {result.policy}; dominant source "
+               f"{result.dominant_source})")
+    for c in result.checks:
+        value = "-" if c.value is None else f"{c.value:.4g}"
+        res = {True: "pass", False: "FAIL", None: "n/a"}[c.passed]
+        typer.echo(f"  {res:<5} {c.metric:<42} {value:>11} <= {c.budget:<9.4g} "
+                   f"[{c.source}] {c.note}")
     typer.echo(f"wrote {target}/verdict.json, results.json, report.md")
 
 
