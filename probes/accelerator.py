@@ -30,6 +30,7 @@ from mismatch.profiles import GPUS, ProfileError, resolve
 
 from .base import Batch, SourceResult, Variant
 from .context import ProbeContext
+from .source_figures import AcceleratorFigures, FleetWeighted
 from .tally import Tally
 
 
@@ -100,9 +101,11 @@ class AcceleratorProbe:
         if self.cannot:
             notes.append("Cannot serve this checkpoint: " + "; ".join(
                 f"{g} ({why})" for g, why in self.cannot.items()))
-        extra = {"kl_exact_by_gpu": by_gpu, "fleet_shares": shares,
-                 "fleet_weighted": weighted, "cannot_serve": self.cannot,
-                 "kernel_path_by_gpu": {g: v.spec.kernel_path for g, v in self.gpus.items()}}
-        return SourceResult(name=self.name, headline=target, parts=parts, extra=extra,
+        figures = AcceleratorFigures(
+            kl_exact_by_gpu=by_gpu, fleet_shares=shares,
+            fleet_weighted=FleetWeighted(**weighted), cannot_serve=self.cannot,
+            kernel_path_by_gpu={g: v.spec.kernel_path for g, v in self.gpus.items()})
+        return SourceResult(name=self.name, headline=target, parts=parts,
+                            extra=figures.to_json(),
                             notes=notes,
                             log_ratio=self.headline.log_ratio())

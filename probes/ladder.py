@@ -32,6 +32,7 @@ from mismatch.profiles import NumericsSpec, ProfileError, resolve
 from .base import SourceResult, Variant, with_spec
 from .context import ProbeContext
 from .paired import PairedProbe
+from .source_figures import LadderFigures, LadderRung
 
 RUNGS = ("L0 kernels", "L1 + precision", "L2 + accelerator")
 
@@ -78,23 +79,23 @@ class LadderProbe(PairedProbe):
         previous = 0.0
         for name in RUNGS:
             kl = parts[name].kl_exact
-            rungs.append({"rung": name, "kl_exact": kl, "increment": kl - previous,
-                          "kl_exact_ci95": parts[name].kl_exact_ci95})
+            rungs.append(LadderRung(rung=name, kl_exact=kl, increment=kl - previous,
+                                    kl_exact_ci95=parts[name].kl_exact_ci95))
             previous = kl
         alone = {k.split()[0]: parts[k].kl_exact for k in
                  ("kernels alone", "precision alone", "accelerator alone")}
         total = parts["L2 + accelerator"].kl_exact
         interaction = total - sum(alone.values())
-        extra = {"rungs": rungs, "alone": alone, "total_kl_exact": total,
-                 "interaction": interaction,
-                 "interaction_fraction": interaction / total if total > 0 else 0.0,
-                 "trainer_gpu": self.ctx.cfg.trainer_gpu,
-                 "l1_formats": self.formats.kernel_path}
+        figures = LadderFigures(rungs=rungs, alone=alone, total_kl_exact=total,
+                                interaction=interaction,
+                                interaction_fraction=interaction / total if total > 0 else 0.0,
+                                trainer_gpu=self.ctx.cfg.trainer_gpu,
+                                l1_formats=self.formats.kernel_path)
         notes = [f"L0/L1 run on the trainer's GPU ({self.ctx.cfg.trainer_gpu}); L1 serves the "
                  f"target formats as it would ({self.formats.kernel_path}); L2 is the target "
                  f"sampler ({self.ctx.spec.label}: {self.ctx.spec.kernel_path}).",
                  f"Interaction = total − Σ alone = {interaction:.3e} "
-                 f"({extra['interaction_fraction']:+.0%} of the total)."]
+                 f"({figures.interaction_fraction:+.0%} of the total)."]
         return SourceResult(name=self.name, headline=parts["L2 + accelerator"],
-                            parts=parts, extra=extra, notes=notes,
+                            parts=parts, extra=figures.to_json(), notes=notes,
                             log_ratio=self.tallies["L2 + accelerator"].log_ratio())

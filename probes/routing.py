@@ -22,6 +22,7 @@ import torch
 
 from .base import Batch, SourceResult, Variant
 from .context import ProbeContext
+from .source_figures import RoutingFlips
 from .tally import Tally
 
 
@@ -86,20 +87,19 @@ class RoutingProbe:
         assert self.layer_flips is not None
         per_layer = (self.layer_flips.double() / max(self.positions, 1)).tolist()
         share = without.kl_exact - with_replay.kl_exact
-        extra = {
-            "flip_rate_by_layer": per_layer,
-            "flip_rate_mean": sum(per_layer) / len(per_layer),
-            "flip_rate_any_layer": self.any_flips / max(self.positions, 1),
-            "flip_rate_any_layer_completion": self.completion_any
+        flips = RoutingFlips(
+            flip_rate_by_layer=per_layer,
+            flip_rate_mean=sum(per_layer) / len(per_layer),
+            flip_rate_any_layer=self.any_flips / max(self.positions, 1),
+            flip_rate_any_layer_completion=self.completion_any
             / max(self.completion_positions, 1),
-            "positions": self.positions,
-            "kl_exact_no_replay": without.kl_exact,
-            "kl_exact_replay": with_replay.kl_exact,
-            "kl_k3_no_replay": without.kl_k3,
-            "kl_k3_replay": with_replay.kl_k3,
-            "routing_kl_share": share,
-            "routing_kl_share_fraction": share / without.kl_exact if without.kl_exact > 0 else 0.0,
-        }
+            positions=self.positions,
+            kl_exact_no_replay=without.kl_exact,
+            kl_exact_replay=with_replay.kl_exact,
+            kl_k3_no_replay=without.kl_k3,
+            kl_k3_replay=with_replay.kl_k3,
+            routing_kl_share=share,
+            routing_kl_share_fraction=share / without.kl_exact if without.kl_exact > 0 else 0.0)
         notes = [f"Sampler: {self.ctx.spec.label} (decode path); trainer: teacher-forced "
                  f"{self.ctx.trainer.dtype.upper()}. Flips are counted over all "
                  f"{self.positions} routed positions (prompt and completion); the KL over the "
@@ -108,5 +108,5 @@ class RoutingProbe:
                  f"against the same numerics forced to the sampler's experts — routing alone."]
         return SourceResult(name=self.name, headline=alone,
                             parts={"no_replay": without, "replay": with_replay,
-                                   "routing_alone": alone}, extra=extra,
+                                   "routing_alone": alone}, extra=flips.to_json(),
                             notes=notes, log_ratio=self.tallies["routing_alone"].log_ratio())

@@ -35,6 +35,7 @@ from mismatch.metrics import exact_kl, second_order
 from .base import SourceResult, pad_width
 from .config import SamplingConfig  # the probe's options (config.py: no torch)
 from .context import ProbeContext
+from .source_figures import SamplingFigures
 from .tally import Tally
 
 __all__ = ["SamplingConfig", "run"]
@@ -107,22 +108,22 @@ def run(ctx: ProbeContext) -> SourceResult:
         ctx.progress("sampling", i + 1, len(batches))
     seed = cfg.seed
     parts = {k: t.summary(seed) for k, t in tallies.items()}
-    extra = {
-        "top_p": top_p,
-        "sampler_mass_outside": outside_sampler / max(n_tok, 1),
-        "outside_trainer_top_p_fraction": outside_trainer / max(n_tok, 1),
-        "trainer_mass_on_support": trainer_mass / max(n_tok, 1),
-        "processed_minus_raw_mean": bias / max(n_tok, 1),
-        "bias_bound": -math.log(top_p),
-        "tokens": n_tok,
-    }
+    figures = SamplingFigures(
+        top_p=top_p,
+        sampler_mass_outside=outside_sampler / max(n_tok, 1),
+        outside_trainer_top_p_fraction=outside_trainer / max(n_tok, 1),
+        trainer_mass_on_support=trainer_mass / max(n_tok, 1),
+        processed_minus_raw_mean=bias / max(n_tok, 1),
+        bias_bound=-math.log(top_p),
+        tokens=n_tok)
     notes = [f"The {ctx.spec.label} sampler drew with top-p {top_p} on the first "
              f"{len(prompts)} prompts; the trainer scored the full vocabulary. Headline: "
              f"`processed` — the trainer's raw log-probs against the distribution the tokens "
              f"were drawn from; `mask_replay` renormalizes the trainer over the same support.",
-             f"Processed minus raw log-prob per token: {extra['processed_minus_raw_mean']:.4f} "
-             f"nats (bound −log p = {extra['bias_bound']:.4f}): a trainer that compares its raw "
+             f"Processed minus raw log-prob per token: {figures.processed_minus_raw_mean:.4f} "
+             f"nats (bound −log p = {figures.bias_bound:.4f}): a trainer that compares its raw "
              f"log-probs with an engine's processed ones sees this as mismatch."]
     return SourceResult(name="sampling", headline=parts["processed"], parts=parts,
-                        extra=extra, notes=notes, log_ratio=tallies["processed"].log_ratio())
+                        extra=figures.to_json(), notes=notes,
+                        log_ratio=tallies["processed"].log_ratio())
 

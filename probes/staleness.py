@@ -54,6 +54,7 @@ from .base import TORCH_DTYPES, Evaluation, SourceResult, pad_width
 from .config import StalenessConfig  # the probe's options (config.py: no torch)
 from .context import ProbeContext
 from .errors import ProbeError
+from .source_figures import StalenessByLag
 from .tally import Tally
 
 __all__ = ["StalenessConfig", "Ladder", "run", "rows_of", "fraction_changed"]
@@ -110,23 +111,23 @@ def run(ctx: ProbeContext, *,
         moved[str(k)] = fraction_changed(_weights(stale), _weights(trainer))
         tallies[k] = _measure(ctx, stale, trainer, trainer_scores, tick)
     summaries = {k: t.summary(seed=cfg.seed) for k, t in tallies.items()}
-    extra = {
-        "kl_k3_by_lag": {str(k): s.kl_k3 for k, s in summaries.items()},
-        "kl_exact_by_lag": {str(k): s.kl_exact for k, s in summaries.items()},
-        "kl_exact_ci95_by_lag": {str(k): s.kl_exact_ci95 for k, s in summaries.items()},
-        "tokens_by_lag": {str(k): s.tokens for k, s in summaries.items()},
-        "lr": policies.lr,
-        "steps": k_max,
-        "source": policies.source,
-        "bf16_changed_fraction_by_step": policies.changed_fraction,
-        "bf16_changed_fraction_vs_trainer_by_lag": moved,
-        "mean_reward_by_step": policies.mean_reward,
-    }
-    if hasattr(policies, "informative_groups"):  # generated steps: groups with a reward spread
-        extra["informative_groups_by_step"] = policies.informative_groups
+    figures = StalenessByLag(
+        kl_k3_by_lag={str(k): s.kl_k3 for k, s in summaries.items()},
+        kl_exact_by_lag={str(k): s.kl_exact for k, s in summaries.items()},
+        kl_exact_ci95_by_lag={str(k): s.kl_exact_ci95 for k, s in summaries.items()},
+        tokens_by_lag={str(k): s.tokens for k, s in summaries.items()},
+        lr=policies.lr,
+        steps=k_max,
+        source=policies.source,
+        bf16_changed_fraction_by_step=policies.changed_fraction,
+        bf16_changed_fraction_vs_trainer_by_lag=moved,
+        mean_reward_by_step=policies.mean_reward,
+        # generated steps: groups with a reward spread
+        informative_groups_by_step=getattr(policies, "informative_groups", None))
     kl = [summaries[k].kl_exact for k in range(k_max + 1)]
     return SourceResult(name="staleness", headline=summaries[1],
-                        parts={f"lag {k}": s for k, s in summaries.items()}, extra=extra,
+                        parts={f"lag {k}": s for k, s in summaries.items()},
+                        extra=figures.to_json(),
                         notes=policies.notes(kl), log_ratio=tallies[1].log_ratio())
 
 

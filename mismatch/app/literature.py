@@ -3,11 +3,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mismatch.probes.base import SourceResult
 from mismatch.probes.kl_summary import KLSummary
+from mismatch.probes.source_figures import RoutingFlips, SamplingFigures, StalenessByLag
 from mismatch.probes.summary import ProbeSummary, as_record
 
-__all__ = ["literature_checks", "source_extra"]
+__all__ = ["LiteratureCheck", "literature_checks", "source_extra"]
+
+
+@dataclass(frozen=True)
+class LiteratureCheck:
+    """One source's figure against a published magnitude or ordering."""
+
+    source: str
+    published: str
+    """What the literature reports."""
+    ours: str
+    """The figure here, formatted."""
+    holds: bool
+    why: str = ""
+    """Where it does not hold: what differs here."""
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "published": self.published, "ours": self.ours,
+                "holds": self.holds, "why": self.why}
 
 
 def _kl(src: KLSummary | SourceResult | None, key: str = "kl_exact"):
@@ -19,16 +40,16 @@ def source_extra(src: KLSummary | SourceResult | None) -> dict:
     return src.extra if isinstance(src, SourceResult) else {}
 
 
-def literature_checks(summary: ProbeSummary | dict) -> list[dict]:
-    """Each source's figure against the published magnitude or ordering that its check names:
-    [{source, published, ours, holds, why}], `why` saying what differs where it does not hold."""
+def literature_checks(summary: ProbeSummary | dict) -> list[LiteratureCheck]:
+    """Each source's figure against the published magnitude or ordering that its check names,
+    `why` saying what differs where it does not hold."""
     rec = as_record(summary)
     src = rec.sources
-    out: list[dict] = []
+    out: list[LiteratureCheck] = []
 
     def add(source, published, ours, holds, why=""):
-        out.append({"source": source, "published": published, "ours": ours,
-                    "holds": bool(holds), "why": "" if holds else why})
+        out.append(LiteratureCheck(source=source, published=published, ours=ours,
+                                   holds=bool(holds), why="" if holds else why))
 
     k, p = src.get("kernels"), src.get("precision")
     if _kl(k) is not None:
@@ -50,36 +71,37 @@ def literature_checks(summary: ProbeSummary | dict) -> list[dict]:
         a, b = grid["fp8 W+A+KV"].kl_exact, grid["fp8 W+A"].kl_exact
         add("precision", "an FP8 KV cache adds mismatch", f"{a:.2e} vs {b:.2e}", a > b,
             "the FP8 KV row is within noise of the row without it")
-    r = source_extra(src.get("routing"))
-    if r.get("flip_rate_by_layer"):
+    r = RoutingFlips.of(src.get("routing"))
+    if r is not None and r.flip_rate_by_layer:
         add("routing", "~10% of router decisions differ per layer",
-            f"{r['flip_rate_mean']:.1%}", 1 / 30 <= r["flip_rate_mean"] <= 0.3,
+            f"{r.flip_rate_mean:.1%}", 1 / 30 <= r.flip_rate_mean <= 0.3,
             "more than 3× off: the embedded model has 8 experts with top-2 routing and ~150-token "
             "contexts; its routers' margins are wider than a 128-expert model's after 32k tokens")
-        n_layers = len(r["flip_rate_by_layer"])
+        n_layers = len(r.flip_rate_by_layer)
         add("routing", "94% of tokens flip in ≥1 of 48 layers; with p per layer, "
-            "1 − (1 − p)^L", f"{r['flip_rate_any_layer']:.1%} over {n_layers} layers",
-            abs(r["flip_rate_any_layer"] - (1 - (1 - r["flip_rate_mean"]) ** n_layers)) < 0.1
-            or r["flip_rate_any_layer"] > 0.9,
+            "1 − (1 − p)^L", f"{r.flip_rate_any_layer:.1%} over {n_layers} layers",
+            abs(r.flip_rate_any_layer - (1 - (1 - r.flip_rate_mean) ** n_layers)) < 0.1
+            or r.flip_rate_any_layer > 0.9,
             "flips in different layers are correlated on this model")
-        share = r.get("routing_kl_share_fraction", 0.0)
+        share = r.routing_kl_share_fraction
         add("routing", "routing replay removes about half the KL (1.5e-3 → 7.5e-4)",
-            f"{r['kl_exact_no_replay']:.2e} → {r['kl_exact_replay']:.2e} ({share:.0%} removed)",
+            f"{r.kl_exact_no_replay:.2e} → {r.kl_exact_replay:.2e} ({share:.0%} removed)",
             0.25 <= share <= 0.75,
             "replay removes a different share here: routing flips are rarer on this model "
             "(see the flip rate), so less of the mismatch runs through them")
-    by_lag = source_extra(src.get("staleness")).get("kl_exact_by_lag") or {}
-    if by_lag:
-        lags = sorted(int(x) for x in by_lag)
-        first, last = by_lag[str(lags[1])] if len(lags) > 1 else 0.0, by_lag[str(lags[-1])]
+    st = StalenessByLag.of(src.get("staleness"))
+    if st is not None and st.kl_exact_by_lag:
+        lags = st.lags
+        first = st.kl_exact_at(lags[1]) if len(lags) > 1 else 0.0
+        last = st.kl_exact_at(lags[-1])
         add("staleness", "KL grows with staleness (0.002 at 0 → ~0.01 at ~2 steps)",
             f"{first:.2e} at 1 → {last:.2e} at {lags[-1]}", last > first > 0,
             "the steps barely moved the BF16 weights at this learning rate")
-    sa = source_extra(src.get("sampling"))
-    if "processed_minus_raw_mean" in sa:
-        add("sampling", f"processed − raw ≤ −log p = {sa['bias_bound']:.3f} nats/token",
-            f"{sa['processed_minus_raw_mean']:.4f}",
-            0 <= sa["processed_minus_raw_mean"] <= sa["bias_bound"] + 1e-9,
+    sa = SamplingFigures.of(src.get("sampling"))
+    if sa is not None:
+        add("sampling", f"processed − raw ≤ −log p = {sa.bias_bound:.3f} nats/token",
+            f"{sa.processed_minus_raw_mean:.4f}",
+            0 <= sa.processed_minus_raw_mean <= sa.bias_bound + 1e-9,
             "the bound is violated: a bug")
     rt = source_extra(src.get("retokenization"))
     if "changed_episode_fraction" in rt:

@@ -13,9 +13,11 @@ from pathlib import Path
 
 from mismatch.probes.base import SourceResult
 from mismatch.probes.kl_summary import KLSummary
+from mismatch.probes.source_figures import (AcceleratorFigures, LadderFigures, RoutingFlips,
+                                            StalenessByLag)
 from mismatch.probes.summary import Figures, ProbeSummary, as_record
 
-from .literature import literature_checks, source_extra as _extra
+from .literature import literature_checks
 
 __all__ = ["fleet_markdown", "fleet_plot", "format_sources_table", "literature_checks",
            "sources_markdown", "write_sources_outputs"]
@@ -58,11 +60,11 @@ def format_sources_table(summary: ProbeSummary | dict) -> str:
                      f"{_fmt('{}', s.tokens):>8}")
     for name, r in _not_applying(rec):
         lines.append(f"{name:<16}does not apply: {' '.join(r.notes)}")
-    if rec.ladder is not None:
-        lad = rec.ladder.extra
-        lines.append("ladder: " + "  ".join(f"{r['rung']} {r['kl_exact']:.2e} "
-                                            f"(+{r['increment']:.2e})" for r in lad["rungs"])
-                     + f"  interaction {lad['interaction']:+.2e}")
+    lad = LadderFigures.of(rec.ladder)
+    if lad is not None:
+        lines.append("ladder: " + "  ".join(f"{r.rung} {r.kl_exact:.2e} "
+                                            f"(+{r.increment:.2e})" for r in lad.rungs)
+                     + f"  interaction {lad.interaction:+.2e}")
     return "\n".join(lines)
 
 
@@ -129,17 +131,17 @@ def sources_markdown(summary: ProbeSummary | dict, command: str, plots: list[str
     out += _parts_table(dict(_columns(s)))
     if "source_kl.png" in plots:
         out += ["", "![KL per source](source_kl.png)"]
-    if s.ladder is not None:
-        lad = s.ladder.extra
+    lad = LadderFigures.of(s.ladder)
+    if s.ladder is not None and lad is not None:
         out += ["", "## Ladder", "", "| rung | KL exact | increment | 95% CI |",
                 "|---|---:|---:|---|"]
-        for r in lad["rungs"]:
-            out.append(f"| {r['rung']} | {r['kl_exact']:.3e} | {r['increment']:+.3e} | "
-                       f"{_ci(r['kl_exact_ci95'])} |")
+        for r in lad.rungs:
+            out.append(f"| {r.rung} | {r.kl_exact:.3e} | {r.increment:+.3e} | "
+                       f"{_ci(r.kl_exact_ci95)} |")
         out += ["", "| alone | KL exact |", "|---|---:|"]
-        out += [f"| {k} | {v:.3e} |" for k, v in lad["alone"].items()]
-        out += ["", f"Interaction (total − Σ alone): {lad['interaction']:+.3e} "
-                f"({lad['interaction_fraction']:+.0%} of the total).", ""]
+        out += [f"| {k} | {v:.3e} |" for k, v in lad.alone.items()]
+        out += ["", f"Interaction (total − Σ alone): {lad.interaction:+.3e} "
+                f"({lad.interaction_fraction:+.0%} of the total).", ""]
         out += [f"- {n}" for n in s.ladder.notes]
         if "ladder.png" in plots:
             out += ["", "![ladder](ladder.png)"]
@@ -149,8 +151,8 @@ def sources_markdown(summary: ProbeSummary | dict, command: str, plots: list[str
     if checks:
         out += ["", "## Against the literature", "",
                 "| source | published | here | holds | why not |", "|---|---|---|:-:|---|"]
-        out += [f"| {c['source']} | {c['published']} | {c['ours']} | "
-                f"{'yes' if c['holds'] else 'no'} | {c['why']} |" for c in checks]
+        out += [f"| {c.source} | {c.published} | {c.ours} | "
+                f"{'yes' if c.holds else 'no'} | {c.why} |" for c in checks]
     if "log_ratio_hist.png" in plots:
         out += ["", "## Log-ratio histograms", "", "![log-ratio histograms](log_ratio_hist.png)"]
     return "\n".join(out) + "\n"
@@ -202,31 +204,31 @@ def _plots(tmp: Path, run) -> list[str]:
         fig.suptitle(f"log π_trainer − log μ_sampler per token — {label}", fontsize=8)
         made.append(save_figure(fig, tmp / "log_ratio_hist.png"))
 
-    routing = _extra(s.sources.get("routing"))
-    if routing.get("flip_rate_by_layer"):
-        rates = routing["flip_rate_by_layer"]
+    routing = RoutingFlips.of(s.sources.get("routing"))
+    if routing is not None and routing.flip_rate_by_layer:
+        rates = routing.flip_rate_by_layer
         fig, ax = plt.subplots(figsize=(5, 3))
         ax.bar(range(len(rates)), rates, color="#b0704a")
-        ax.axhline(routing["flip_rate_any_layer"], ls="--", color="k", lw=1,
-                   label=f"any layer: {routing['flip_rate_any_layer']:.1%}")
+        ax.axhline(routing.flip_rate_any_layer, ls="--", color="k", lw=1,
+                   label=f"any layer: {routing.flip_rate_any_layer:.1%}")
         ax.set_xlabel("MoE layer")
         ax.set_ylabel("share of positions with a flip")
         ax.legend(fontsize=8)
         ax.set_title(f"routing flips — {label}", fontsize=8)
         made.append(save_figure(fig, tmp / "routing.png"))
 
-    stale = _extra(s.sources.get("staleness"))
-    if stale.get("kl_exact_by_lag"):
-        lags = sorted(int(k) for k in stale["kl_exact_by_lag"])
-        ys = [stale["kl_exact_by_lag"][str(k)] for k in lags]
-        cis = stale.get("kl_exact_ci95_by_lag", {})
+    stale = StalenessByLag.of(s.sources.get("staleness"))
+    if stale is not None and stale.kl_exact_by_lag:
+        lags = stale.lags
+        ys = [stale.kl_exact_at(k) for k in lags]
+        cis = stale.kl_exact_ci95_by_lag
         fig, ax = plt.subplots(figsize=(5, 3))
         ax.plot(lags, ys, "o-", color="#4a72b0", label="KL exact")
         if cis:
             ax.fill_between(lags, [cis[str(k)][0] for k in lags], [cis[str(k)][1] for k in lags],
                             alpha=0.25, color="#4a72b0", label="95% CI")
-        if stale.get("kl_k3_by_lag"):
-            ax.plot(lags, [stale["kl_k3_by_lag"][str(k)] for k in lags], "s--", ms=3,
+        if stale.kl_k3_by_lag:
+            ax.plot(lags, [stale.kl_k3_by_lag[str(k)] for k in lags], "s--", ms=3,
                     color="#b0704a", label="KL k3")
         ax.set_yscale("symlog", linthresh=1e-8)
         ax.set_xlabel("staleness k (optimizer steps behind)")
@@ -235,20 +237,21 @@ def _plots(tmp: Path, run) -> list[str]:
         ax.set_title(f"staleness — {s.model} (EMULATED)", fontsize=8)
         made.append(save_figure(fig, tmp / "staleness.png"))
 
-    if s.ladder is not None:
-        rungs = s.ladder.extra["rungs"]
+    ladder = LadderFigures.of(s.ladder)
+    if ladder is not None:
+        rungs = ladder.rungs
         fig, ax = plt.subplots(figsize=(5.5, 3.2))
         bottom = 0.0
         for i, r in enumerate(rungs):
-            inc = r["increment"]
+            inc = r.increment
             ax.bar(i, inc, bottom=bottom if inc >= 0 else bottom + inc,
                    color="#4a72b0" if inc >= 0 else "#b04a4a")
             bottom += inc
         ax.bar(len(rungs), bottom, color="#333333")
-        lo, hi = rungs[-1]["kl_exact_ci95"]
+        lo, hi = rungs[-1].kl_exact_ci95
         ax.errorbar(len(rungs), bottom, yerr=[[max(bottom - lo, 0)], [max(hi - bottom, 0)]],
                     color="k", capsize=3)
-        ax.set_xticks(range(len(rungs) + 1), [r["rung"] for r in rungs] + ["total"],
+        ax.set_xticks(range(len(rungs) + 1), [r.rung for r in rungs] + ["total"],
                       fontsize=8, rotation=15)
         ax.set_ylabel("KL exact (nats/token)")
         ax.set_title(f"ladder — {label}", fontsize=8)
@@ -269,11 +272,13 @@ def write_sources_outputs(out: Path, run, command: str) -> Path:
     return Path(out)
 
 
-def _accelerator(summary: ProbeSummary | dict) -> SourceResult:
+def _accelerator(summary: ProbeSummary | dict) -> tuple[SourceResult, AcceleratorFigures]:
+    """The accelerator source's result and its own figures."""
     acc = as_record(summary).sources.get("accelerator")
-    if not isinstance(acc, SourceResult):
+    figures = AcceleratorFigures.of(acc)
+    if not isinstance(acc, SourceResult) or figures is None:
         raise ValueError("no accelerator source in this probe summary (--sources accelerator)")
-    return acc
+    return acc, figures
 
 
 def fleet_markdown(summary: ProbeSummary | dict, command: str, plot: str | None = None) -> str:
@@ -281,8 +286,8 @@ def fleet_markdown(summary: ProbeSummary | dict, command: str, plot: str | None 
     capacity-weighted fleet."""
     from mismatch.profiles import resolve
 
-    acc = _accelerator(summary)
-    shares = acc.extra["fleet_shares"]
+    acc, figures = _accelerator(summary)
+    shares = figures.fleet_shares
     out = ["# The study's mixed sampler fleet against a BF16 trainer (EMULATED)", "",
            f"Command: `{command}`", "",
            "Each group serves with its GPU's own kernels and an FP8 KV cache "
@@ -299,9 +304,9 @@ def fleet_markdown(summary: ProbeSummary | dict, command: str, plot: str | None 
         out.append(f"| {group} | {spec.kernel_path} | {spec.attention} | {share:.3f} | "
                    f"{p.tokens} | {p.kl_exact:.3e} | {_ci(p.kl_exact_ci95)} | {p.kl_k3:.3e} | "
                    f"{p.mis_masked_fraction:.3%} |")
-    w = acc.extra["fleet_weighted"]
-    out += [f"| **fleet (capacity-weighted)** | | | 1.000 | | **{w['kl_exact']:.3e}** | "
-            f"{_ci(w['kl_exact_ci95'])} | {w['kl_k3']:.3e} | {w['mis_masked_fraction']:.3%} |",
+    w = figures.fleet_weighted
+    out += [f"| **fleet (capacity-weighted)** | | | 1.000 | | **{w.kl_exact:.3e}** | "
+            f"{_ci(w.kl_exact_ci95)} | {w.kl_k3:.3e} | {w.mis_masked_fraction:.3%} |",
             ""]
     out += ["- Shares: " + ("equal (the study's per-group shares are not published as numbers; "
                             "set them with --fleet-shares)." if len(set(shares.values())) == 1
@@ -325,13 +330,13 @@ def fleet_plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    acc = _accelerator(summary)
-    names = list(acc.extra["fleet_shares"])
-    weighted = acc.extra["fleet_weighted"]
+    acc, figures = _accelerator(summary)
+    names = list(figures.fleet_shares)
+    weighted = figures.fleet_weighted
     rows = [acc.parts[f"fleet {g}"] for g in names]
     labels = names + ["fleet"]
-    vals = [r.kl_exact for r in rows] + [weighted["kl_exact"]]
-    cis = [r.kl_exact_ci95 for r in rows] + [weighted["kl_exact_ci95"]]
+    vals = [r.kl_exact for r in rows] + [weighted.kl_exact]
+    cis = [r.kl_exact_ci95 for r in rows] + [weighted.kl_exact_ci95]
     err = [[max(v - ci[0], 0) for v, ci in zip(vals, cis)],
            [max(ci[1] - v, 0) for v, ci in zip(vals, cis)]]
     fig, ax = plt.subplots(figsize=(7, 3.5))
