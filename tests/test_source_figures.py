@@ -71,3 +71,16 @@ def test_optional_figures_are_left_out_while_unset():
     assert SamplingFigures(top_p=0.9, sampler_mass_outside=0, outside_trainer_top_p_fraction=0,
                            trainer_mass_on_support=1, processed_minus_raw_mean=0,
                            bias_bound=0.1, tokens=3).to_json()["tokens"] == 3
+
+
+def test_fleet_report_reads_the_accelerator_record(record):
+    from mismatch.app.sources_report import fleet_markdown
+
+    body = json.loads((DATA / "sources-results.json").read_text())
+    text = fleet_markdown(record, "cmd", "fleet.png")
+    assert text == fleet_markdown(body, "cmd", "fleet.png")
+    w = AcceleratorFigures.of(record.sources["accelerator"]).fleet_weighted
+    assert f"| **fleet (capacity-weighted)** | | | 1.000 | | **{w.kl_exact:.3e}** |" in text
+    with pytest.raises(ValueError, match="no accelerator source"):
+        fleet_markdown({k: v for k, v in body.items() if k != "sources"} | {"sources": {}},
+                       "cmd")
