@@ -67,8 +67,10 @@ def sample_units(path: Path) -> dict:
     tasks = [task_of(u, cfg.seed, cfg.task_kinds) for u in range(PROMPTS) for _ in range(SAMPLES)]
     t0 = time.perf_counter()
     with torch.no_grad():
-        eps = run_episodes(model, tok, tasks, group, version=0, max_turns=cfg.max_turns,
-                           max_new_tokens=cfg.max_new_tokens, top_k_candidates=cfg.candidates,
+        eps = run_episodes(model, tok, tasks, group, version=0,
+                           max_turns=cfg.rollout.max_turns,
+                           max_new_tokens=cfg.rollout.max_new_tokens,
+                           top_k_candidates=cfg.rollout.candidates,
                            seed=1)
     seconds = time.perf_counter() - t0
     units = [Unit(index=u, group=group.name, version=0,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,8 +41,8 @@ def main() -> None:
     for name, model in models.items():
         cfg_path = Path(name) / "config.json"
         saved = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        cfg = replace(TrainConfig(**saved) if saved else TrainConfig(),
-                      eval_tasks=args.tasks, eval_samples=args.samples)
+        cfg = TrainConfig.from_json(saved).updated(eval_tasks=args.tasks,
+                                                   eval_samples=args.samples)
         full = evaluate(model, tok, cfg, top_p=False)["reward"]
         nucleus = evaluate(model, tok, cfg, top_p=True)["reward"]
         rows.append((name, full, nucleus))

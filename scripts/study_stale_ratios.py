@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -49,10 +48,9 @@ def load(ckpt: Path, lag: int | None):
             pickle.UnpicklingError) as exc:
         raise SystemExit(f"{ckpt}: not a readable checkpoint of `mismatch train` ({exc}); pass "
                          "a RUN/checkpoints/step-NNNNNN directory") from None
-    names = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in state["config"].items() if k in names})
+    cfg = TrainConfig.from_json(state["config"])
     step, older = int(state["step"]), state.get("older_versions") or {}
-    k = lag if lag is not None else (cfg.staleness or 0)
+    k = lag if lag is not None else (cfg.pipeline.staleness or 0)
     if k <= 0:
         raise SystemExit(f"{ckpt}: the run has no forced lag; pass --lag K")
     if step - k not in older:

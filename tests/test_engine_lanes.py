@@ -171,8 +171,8 @@ def test_the_same_context_differs_by_lane(model, tok):
 def test_scales_are_calibrated_once_per_version(model, tok, monkeypatch):
     import mismatch.train.unit_sampling as sampling
 
-    cfg = TrainConfig(fleet="mixed", prompts_per_step=2, samples_per_prompt=2, tasks="arith",
-                      max_new_tokens=4, max_turns=1)
+    cfg = TrainConfig.flat(fleet="mixed", prompts_per_step=2, samples_per_prompt=2, tasks="arith",
+                           max_new_tokens=4, max_turns=1)
     calls = []
     real = sampling.calibration_scales
 

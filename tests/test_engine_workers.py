@@ -110,9 +110,9 @@ def test_training_through_sampler_processes_matches_in_process_sampling(tmp_path
 
     records = {}
     for n in (0, 2):
-        cfg = TrainConfig(fleet="mixed", correction="sc+mis", steps=2, prompts_per_step=4,
-                          samples_per_prompt=4, sync=True, max_turns=2, max_new_tokens=32,
-                          candidates=16, sampler_processes=n, checkpoint_every=5, threads=1)
+        cfg = TrainConfig.flat(fleet="mixed", correction="sc+mis", steps=2, prompts_per_step=4,
+                               samples_per_prompt=4, sync=True, max_turns=2, max_new_tokens=32,
+                               candidates=16, sampler_processes=n, checkpoint_every=5, threads=1)
         run(cfg, tmp_path / f"p{n}", log_alerts=False)
         records[n] = read_metrics(tmp_path / f"p{n}" / "metrics.jsonl")
     exact = ("sampled_tokens", "reward", "end_reasons")
@@ -206,9 +206,9 @@ def test_an_async_run_with_samplers_on_every_core_pauses_them_and_says_so(tmp_pa
     from mismatch.train.rundir import read_metrics
 
     cores = len(os.sched_getaffinity(0))
-    cfg = TrainConfig(fleet="homogeneous", correction="grpo", steps=2, prompts_per_step=4,
-                      samples_per_prompt=4, max_turns=2, max_new_tokens=32, candidates=16,
-                      sampler_processes=max(2, cores), checkpoint_every=5, threads=1)
+    cfg = TrainConfig.flat(fleet="homogeneous", correction="grpo", steps=2, prompts_per_step=4,
+                           samples_per_prompt=4, max_turns=2, max_new_tokens=32, candidates=16,
+                           sampler_processes=max(2, cores), checkpoint_every=5, threads=1)
     with caplog.at_level(logging.INFO, logger="mismatch.train"):
         run(cfg, tmp_path / "run", log_alerts=False)
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]

@@ -201,7 +201,7 @@ def test_training_with_an_fp32_head(tmp_path, model, tok):
     from mismatch.train.rollout import run_episodes
     from mismatch.train.trainer import Trainer, batch_loss
 
-    cfg = TrainConfig(correction="grpo", lr=1e-3, lm_head="fp32", fleet="mixed")
+    cfg = TrainConfig.flat(correction="grpo", lr=1e-3, lm_head="fp32", fleet="mixed")
     groups = run_fleet(cfg)
     assert groups and all(g.spec.lm_head == "fp32" for g in groups)
     assert all(g.spec.lm_head == "compute" for g in run_fleet(TrainConfig()))

@@ -77,7 +77,7 @@ def test_two_rank_fsdp2_step_equals_one_process(batch_file, tmp_path, dtype):
     lr = 1e-3
     got = _torchrun(path, tmp_path / "state.pt", dtype, lr)
     assert got["world"] == 2
-    cfg = TrainConfig(fleet="homogeneous", correction="sc+mis", lr=lr)
+    cfg = TrainConfig.flat(fleet="homogeneous", correction="sc+mis", lr=lr)
     ref = Trainer(load_model(dtype="float32"), cfg,
                   compute_dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     before = {k: v.clone() for k, v in ref.master.state_dict().items()}

@@ -141,7 +141,7 @@ def test_the_newest_checkpoints_are_kept_or_every_one(async_run, tmp_path, model
     run(cfg, tmp_path / "all", model=model, tokenizer=tok, log_alerts=False)
     assert names(tmp_path / "all") == ["step-000001", "step-000002", "step-000003"]
     with pytest.raises(ValueError, match="keep-checkpoints"):
-        TrainConfig(keep_checkpoints=-1)
+        TrainConfig.flat(keep_checkpoints=-1)
 
 
 def test_bounded_staleness_is_respected(tmp_path, model, tok):
@@ -293,16 +293,16 @@ def test_config_checks():
     with pytest.raises(ValueError, match="samples-per-prompt"):
         TrainConfig(samples_per_prompt=1)
     with pytest.raises(ValueError, match="max-staleness"):
-        TrainConfig(max_staleness=-1)
+        TrainConfig.flat(max_staleness=-1)
     with pytest.raises(ValueError, match="unknown fleet"):
         TrainConfig(fleet="tpu")
-    assert TrainConfig(sync=True).staleness_bound == 0
+    assert TrainConfig.flat(sync=True).pipeline.staleness_bound == 0
     with pytest.raises(ValueError, match="cannot be combined"):
-        TrainConfig(staleness=2, sync=True)
+        TrainConfig.flat(staleness=2, sync=True)
     with pytest.raises(ValueError, match="unknown task kind 'chess'"):
         TrainConfig(tasks="arith,chess")
     with pytest.raises(ValueError, match="eval-every"):
-        TrainConfig(eval_every=-2)
+        TrainConfig.flat(eval_every=-2)
 
 
 def test_task_mix_takes_kinds_in_turn():
@@ -312,7 +312,7 @@ def test_task_mix_takes_kinds_in_turn():
     assert [task_of(u, 0, kinds).kind for u in range(4)] == ["arith", "table"] * 2
     assert task_of(5, 0).seed == task_of(5, 0, kinds).seed  # same seeds, kind forced
     assert {task_of(u, 0).kind for u in range(40)} == {"arith", "word", "table", "two_step"}
-    assert json.loads(json.dumps(preset_config("mixed").__dict__))["fleet"] == "mixed"
+    assert json.loads(json.dumps(preset_config("mixed").to_json()))["fleet"] == "mixed"
 
 
 @pytest.mark.parametrize("arm", ["grpo", "sc+mis+topp"])
@@ -330,7 +330,7 @@ def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok,
     assert rewarded.any() and not rewarded.all()  # a group with something to learn
     b = build_batch([Unit(index=0, group=group.name, version=0, episodes=eps, seconds=0.0)],
                     step=0, pad_id=0)
-    trainer = Trainer(model, TrainConfig(correction=arm, lr=1e-4))
+    trainer = Trainer(model, TrainConfig.flat(correction=arm, lr=1e-4))
 
     def seq_logp() -> torch.Tensor:
         with torch.no_grad():
@@ -443,14 +443,14 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
 
 
 def test_lockstep_trainer_takes_the_idle_samplers_threads(model, monkeypatch):
-    from mismatch.train.trainer import Trainer, lockstep_threads
+    from mismatch.train.trainer import PipelineConfig, Trainer, lockstep_threads
 
     cpus = len(os.sched_getaffinity(0))
-    assert lockstep_threads(TrainConfig()) is None  # pipelined: samplers run while it steps
-    assert lockstep_threads(TrainConfig(sync=True)) == min(cpus, 2)
-    assert lockstep_threads(TrainConfig(staleness=1, workers=3, threads=2)) == max(
+    assert lockstep_threads(PipelineConfig()) is None  # pipelined: samplers run while it steps
+    assert lockstep_threads(PipelineConfig(sync=True)) == min(cpus, 2)
+    assert lockstep_threads(PipelineConfig(staleness=1, workers=3, threads=2)) == max(
         2, min(cpus, 8))
-    trainer = Trainer(model, TrainConfig(sync=True, threads=1, workers=1))
+    trainer = Trainer(model, TrainConfig.flat(sync=True, threads=1, workers=1))
     seen = []
     monkeypatch.setattr(trainer, "_step", lambda batch: seen.append(torch.get_num_threads()))
     held = torch.get_num_threads()

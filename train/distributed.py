@@ -15,7 +15,8 @@ Backends: gloo on CPU, NCCL on GPUs. Launch with `torchrun` (it sets RANK, WORLD
 MASTER_ADDR, MASTER_PORT), or from Ray actors that set the same variables.
 
     torchrun --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port PORT \\
-        -m mismatch.train.distributed --batch batch.pt --out state.pt [--lr 1e-4 --correction sc+mis]
+        -m mismatch.train.distributed --batch batch.pt --out state.pt \\
+        [--lr 1e-4 --correction sc+mis]
 
 runs one step on a saved batch and writes the full updated master (rank 0): what the tests
 compare with a single-process step.
@@ -89,6 +90,7 @@ class ShardedTrainer(Trainer):
             raise ValueError("--lm-head fp32 trains on one trainer rank; leave --trainer-ranks "
                              "at 1 (the sharded trainer's head runs in the compute dtype)")
         self.cfg, self.compute_dtype = cfg, compute_dtype
+        self.optim = cfg.optim
         self.threads = None  # the process's count (a rank is a process of its own)
         self.model = copy.deepcopy(model).float()
         self.model.train()
@@ -103,7 +105,7 @@ class ShardedTrainer(Trainer):
         for layer in self.model.model.layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(self.model, mp_policy=policy)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.optim.lr, betas=(0.9, 0.999),
                                      weight_decay=0.0)
 
     # Trainer.step's hooks
@@ -129,7 +131,7 @@ class ShardedTrainer(Trainer):
         return float(total[1]) / max(tokens, 1.0)
 
     def _apply_gradients(self) -> torch.Tensor:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         if torch.isfinite(grad_norm):
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with torch_threads(1):  # each rank a process on one core
         batch = torch.load(args.batch, weights_only=False)
-        cfg = TrainConfig(fleet="homogeneous", correction=args.correction, lr=args.lr)
+        cfg = TrainConfig.flat(fleet="homogeneous", correction=args.correction, lr=args.lr)
         dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32
         trainer = ShardedTrainer(load_model(dtype="float32"), cfg, compute_dtype=dtype)
         metrics = trainer.step(batch)

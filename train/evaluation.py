@@ -18,39 +18,39 @@ from typing import Any
 import torch
 
 from .batch import unit_seed
+from .components import EvalConfig
 from .config import TrainConfig
 from .fleet import fleet
 from .heldout import HeldOutScore
 from .rollout import run_episodes
 
-__all__ = ["evaluate", "evaluate_into"]
+__all__ = ["EvalConfig", "evaluate", "evaluate_into"]
 
 
 def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
              top_p: bool | None = None) -> HeldOutScore:
-    """Mean reward and end reasons of the policy on `cfg.eval_tasks` held-out tasks, each played
-    `cfg.eval_samples` times at temperature 1 under the trainer's numerics (B200 BF16, BF16 KV
-    cache: the `homogeneous` group), sampled as the arm's samplers sample (the top-p nucleus for
-    top-p arms, whose loss never sees the tail) unless `top_p` says otherwise."""
+    """Mean reward and end reasons of the policy on `cfg.eval.eval_tasks` held-out tasks, each
+    played `cfg.eval.eval_samples` times at temperature 1 under the trainer's numerics (B200
+    BF16, BF16 KV cache: the `homogeneous` group), sampled as the arm's samplers sample (the
+    top-p nucleus for top-p arms, whose loss never sees the tail) unless `top_p` says
+    otherwise; turns, tokens and the nucleus as `cfg.rollout` says."""
     top = cfg.samples_top_p if top_p is None else top_p
     from mismatch.zoo.tasks import make_task, task_seeds
 
     kinds = cfg.task_kinds
     tasks = [make_task(seed, kinds[i % len(kinds)] if kinds else None)
-             for i, seed in enumerate(task_seeds("heldout", cfg.eval_tasks))]
+             for i, seed in enumerate(task_seeds("heldout", cfg.eval.eval_tasks))]
     group = fleet("homogeneous")[0]
     model = model.to(torch.bfloat16).eval()
-    n = cfg.eval_samples
+    n = cfg.eval.eval_samples
     with torch.no_grad():  # all episodes in one engine run; each on its own (task, sample) stream
         eps = run_episodes(model, tokenizer, [t for t in tasks for _ in range(n)], group,
-                           version=-1, max_turns=cfg.max_turns,
-                           max_new_tokens=cfg.max_new_tokens, top_p=cfg.top_p if top else 1.0,
-                           top_k=cfg.top_p_max_tokens if top else 0, top_k_candidates=1,
+                           version=-1, **cfg.rollout.episode_limits(top), top_k_candidates=1,
                            episode_seeds=[unit_seed(i, cfg.seed + 1) * 1_009 + j
                                           for i in range(len(tasks)) for j in range(n)])
-    ends = Counter(ep.end_reason for ep in eps)
+    ends, ro = Counter(ep.end_reason for ep in eps), cfg.rollout
     return HeldOutScore(reward=sum(ep.reward for ep in eps) / len(eps), episodes=len(eps),
-                        sampling=f"top-p {cfg.top_p}, top-k {cfg.top_p_max_tokens}" if top
+                        sampling=f"top-p {ro.top_p}, top-k {ro.top_p_max_tokens}" if top
                         else "full",
                         format_error_rate=ends.get("format_errors", 0) / len(eps),
                         end_reasons=dict(sorted(ends.items())))

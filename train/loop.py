@@ -25,7 +25,7 @@ import copy
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,9 +70,9 @@ LOGS = ("metrics.jsonl", "alerts.jsonl", "eval.json")
 
 
 class LocalBackend:
-    """The trainer in this process; samplers in its worker threads, or (cfg.sampler_processes)
-    in worker processes of one torch thread each, fed weights through shared memory
-    (`--backend local`)."""
+    """The trainer in this process; samplers in its worker threads, or (with
+    cfg.pipeline.sampler_processes) in worker processes of one torch thread each, fed weights
+    through shared memory (`--backend local`)."""
 
     name = "local"
 
@@ -84,11 +84,12 @@ class LocalBackend:
 
     def pipeline(self, cfg: TrainConfig, groups: list[SamplerGroup], model, tokenizer,
                  publisher: Publisher, start_unit: int) -> Pipeline:
-        if cfg.sampler_processes and self.pool is None:
+        if cfg.pipeline.sampler_processes and self.pool is None:
             from mismatch.engines.workers import WorkerPool
 
-            log.info("starting %d sampler processes", cfg.sampler_processes)
-            self.pool = WorkerPool(cfg.sampler_processes, (copy.deepcopy(model), tokenizer))
+            log.info("starting %d sampler processes", cfg.pipeline.sampler_processes)
+            self.pool = WorkerPool(cfg.pipeline.sampler_processes,
+                                   (copy.deepcopy(model), tokenizer))
         return Pipeline(cfg, groups, model, tokenizer, publisher, start_unit, pool=self.pool)
 
     def put(self, weights: dict[str, torch.Tensor]):
@@ -116,7 +117,8 @@ def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | Non
             raise ValueError(f"stop-on must be warning or critical, got {stop_on!r}")
         out = Path(out)
         ckpt = check_out(out, resume, cfg)
-        with torch_threads(cfg.threads):  # the process's (workers and trainer share them)
+        # the process's threads (workers and trainer share them)
+        with torch_threads(cfg.pipeline.threads):
             if model is None or tokenizer is None:
                 from mismatch.zoo import load_model, load_tokenizer
 
@@ -163,10 +165,10 @@ def _base_evaluation(cfg: TrainConfig, out: Path, trainer, tokenizer) -> dict[st
     """eval.json as far as it goes, with the base policy evaluated where it is not yet."""
     eval_path = out / "eval.json"
     evaluation = json.loads(eval_path.read_text()) if eval_path.exists() else {}
-    if cfg.eval_tasks and "base" not in evaluation:
-        log.info("evaluating the base policy on %d held-out tasks × %d", cfg.eval_tasks,
-                 cfg.eval_samples)
-        evaluation = {"tasks": cfg.eval_tasks, "samples": cfg.eval_samples}
+    if cfg.eval.eval_tasks and "base" not in evaluation:
+        log.info("evaluating the base policy on %d held-out tasks × %d", cfg.eval.eval_tasks,
+                 cfg.eval.eval_samples)
+        evaluation = {"tasks": cfg.eval.eval_tasks, "samples": cfg.eval.eval_samples}
         evaluate_into(evaluation, "base", trainer.policy(), tokenizer, cfg)
         write_json(eval_path, evaluation)
     return evaluation
@@ -192,7 +194,7 @@ def _take_units(pipe, cfg: TrainConfig, step: int) -> tuple[list[Unit], int]:
     stale_dropped = 0
     while len(units) < cfg.prompts_per_step:
         unit = pipe.take()
-        bound = cfg.staleness_bound
+        bound = cfg.pipeline.staleness_bound
         if bound is not None and step - unit.version > bound:
             stale_dropped += 1
             continue
@@ -214,7 +216,7 @@ def _core_handoff(cfg: TrainConfig, pipe, trainer) -> Callable[[], Any]:
 
     pool = getattr(pipe, "pool", None)
     cores = default_processes()
-    if cfg.lockstep or pool is None or pool.size < cores:
+    if cfg.pipeline.lockstep or pool is None or pool.size < cores:
         return contextlib.nullcontext
     trainer.threads = cores
     log.info("asynchronous on %d cores with %d sampler processes: no core is free to overlap "
@@ -228,12 +230,12 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
     metrics_path, alerts_path, eval_path = (out / n for n in LOGS)
     trainer = backend.trainer(model, cfg)
     step, next_unit, discarded, history, state = _restore(cfg, out, ckpt, trainer)
-    write_json(out / "config.json", asdict(cfg))
+    write_json(out / "config.json", cfg.to_json())
     evaluation = _base_evaluation(cfg, out, trainer, tokenizer)
     groups = run_fleet(cfg)
     cost_per_token = {g.name: g.cost_per_token for g in groups if g.cost_per_token is not None}
     monitor = _monitor(cfg, monitor_config, history, alerts_path, log_alerts)
-    publisher = Publisher(step, trainer.published(), keep=cfg.lag, history={
+    publisher = Publisher(step, trainer.published(), keep=cfg.pipeline.lag, history={
         v: backend.put(w) for v, w in (state.get("older_versions") or {}).items()})
     pipe = backend.pipeline(cfg, groups, model, tokenizer, publisher, next_unit)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -268,7 +270,7 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
                                        queue_depth=depth)
                 stopped = _stop_reason(alerts, stop_on)
                 _evaluate_during(cfg, step, evaluation, trainer, tokenizer, eval_path)
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopped:
+                if step % cfg.checkpoint.checkpoint_every == 0 or step == cfg.steps or stopped:
                     trainer.save(out, step, consumed_max + 1, publisher.older())
                     last_ckpt = step
                 if stopped:
@@ -328,7 +330,7 @@ def _stop_reason(alerts: list, stop_on: str | None) -> str | None:
 def _evaluate_final(cfg: TrainConfig, step: int, evaluation: dict[str, Any], trainer, tokenizer,
                     eval_path: Path) -> dict[str, Any]:
     """The trained policy on the held-out tasks (where the run evaluates): eval.json's "final"."""
-    if cfg.eval_tasks:
+    if cfg.eval.eval_tasks:
         log.info("evaluating the trained policy (step %d)", step)
         evaluate_into(evaluation, "final", trainer.policy(), tokenizer, cfg, step=step)
         write_json(eval_path, evaluation)
@@ -338,7 +340,7 @@ def _evaluate_final(cfg: TrainConfig, step: int, evaluation: dict[str, Any], tra
 def _evaluate_during(cfg: TrainConfig, step: int, evaluation: dict[str, Any], trainer,
                      tokenizer, eval_path: Path) -> None:
     """--eval-every: the held-out tasks at this step, unless done (a resumed run) or final."""
-    if (cfg.eval_tasks and cfg.eval_every and step % cfg.eval_every == 0
+    if (cfg.eval.eval_tasks and cfg.eval.eval_every and step % cfg.eval.eval_every == 0
             and step < cfg.steps and str(step) not in evaluation.get("during", {})):
         log.info("evaluating the policy at step %d", step)
         evaluate_into(evaluation, str(step), trainer.policy(), tokenizer, cfg, step=step)

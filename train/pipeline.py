@@ -33,11 +33,12 @@ from mismatch.engines.lanes import lanes_possible
 from mismatch.probes.base import TORCH_DTYPES
 
 from .batch import Unit
+from .components import PipelineConfig
 from .config import TrainConfig
 from .fleet import Router, SamplerGroup
 from .unit_sampling import model_at, sample_in_worker, sample_units, split_units
 
-__all__ = ["Publisher", "Pipeline", "by_group", "spread_width"]
+__all__ = ["Publisher", "Pipeline", "PipelineConfig", "by_group", "spread_width"]
 
 
 class Publisher:
@@ -90,15 +91,15 @@ def _spread(batches: list[list], n: int) -> list[list]:
     return out
 
 
-def spread_width(cfg, processes: int) -> int:
+def spread_width(pipeline: PipelineConfig, processes: int) -> int:
     """Over how many sampler processes one claim's batch is split. Lockstep: one thread claims
     the whole step, so over all of them. Asynchronous: each sampler thread claims its own share
     (`Pipeline._chunk`) and has `processes` / threads of them to itself; splitting its share
     again would sample in batches half as large, and slower (an asynchronous step measured
     0.79–0.86× of `--sync`'s before, ~1.0× after: reports/benchmarks.md)."""
-    if cfg.lockstep:
+    if pipeline.lockstep:
         return processes
-    return max(1, processes // max(cfg.workers, processes))
+    return max(1, processes // max(pipeline.workers, processes))
 
 
 def by_group(claims: list[tuple[int, SamplerGroup]]) -> list[list[tuple[int, SamplerGroup]]]:
@@ -115,7 +116,8 @@ class _Failure:
 
 
 class Pipeline:
-    """Sampler worker threads feeding finished units into a queue, gated as the config says."""
+    """Sampler worker threads feeding finished units into a queue, gated as the run's
+    `PipelineConfig` (`cfg.pipeline`, this module's) says."""
 
     def __init__(self, cfg: TrainConfig, groups: list[SamplerGroup], model, tokenizer,
                  publisher: Publisher, start_unit: int, pool=None) -> None:
@@ -135,19 +137,19 @@ class Pipeline:
         self.busy_seconds = 0.0
 
     def start(self) -> None:
-        threads = max(self.cfg.workers, self.pool.size if self.pool is not None else 0)
+        threads = max(self.cfg.pipeline.workers, self.pool.size if self.pool is not None else 0)
         for w in range(threads):
             th = threading.Thread(target=self._work, name=f"sampler-{w}", daemon=True)
             th.start()
             self._threads.append(th)
 
     def _may_claim(self) -> bool:
-        p, bound = self.cfg.prompts_per_step, self.cfg.staleness_bound
-        if self.cfg.lockstep:
+        p, bound = self.cfg.prompts_per_step, self.cfg.pipeline.staleness_bound
+        if self.cfg.pipeline.lockstep:
             return self.cursor < (self.publisher.version + 1) * p
         if bound is not None:
             return self.cursor < (self.publisher.version + 1 + bound) * p
-        return self.cursor < self.consumed + self.cfg.queue_steps * p
+        return self.cursor < self.consumed + self.cfg.pipeline.queue_steps * p
 
     def _claim(self) -> tuple[int, SamplerGroup] | None:
         with self._cond:
@@ -171,7 +173,7 @@ class Pipeline:
     def _chunk(self) -> int:
         """Asynchronous claims: a step's units shared among the sampler threads, in batches."""
         pool = getattr(self, "pool", None)
-        threads = max(self.cfg.workers, pool.size if pool is not None else 0)
+        threads = max(self.cfg.pipeline.workers, pool.size if pool is not None else 0)
         return max(1, self.cfg.prompts_per_step // threads)
 
     def _claim_some(self, limit: int) -> list[tuple[int, SamplerGroup]]:
@@ -210,13 +212,13 @@ class Pipeline:
         cfg = self.cfg
         try:
             while True:
-                if cfg.lockstep:
+                if cfg.pipeline.lockstep:
                     claims = self._claim_step()
                 else:
                     claims = self._claim_some(self._chunk)
                 if not claims:
                     return
-                version, weights = self.publisher.latest(cfg.lag)
+                version, weights = self.publisher.latest(cfg.pipeline.lag)
                 done = self._generate(self._batches(claims), version, weights, models,
                                       scales)
                 for unit in sorted(done, key=lambda x: x.index):
@@ -239,7 +241,7 @@ class Pipeline:
         done: list[Unit] = []
         n = self.cfg.samples_per_prompt
         if self.pool is not None:
-            batches = _spread(batches, spread_width(self.cfg, self.pool.size))
+            batches = _spread(batches, spread_width(self.cfg.pipeline, self.pool.size))
             calls = [(self.cfg, [g for _, g in batch], [u for u, _ in batch], version, weights)
                      for batch in batches]
             for batch, (eps, dt) in zip(batches, self.pool.map(sample_in_worker, calls)):

@@ -120,7 +120,8 @@ class SamplerActor(_Process):
         ray = ray_module()
         model = model_at(self.models, self.base, TORCH_DTYPES[self.group.spec.compute_dtype],
                          version, lambda: read_version(ray.get(weights[0])))
-        with torch_threads(self.cfg.threads):  # the run's threads (Ray's for the actor otherwise)
+        # the run's threads (Ray's for the actor otherwise)
+        with torch_threads(self.cfg.pipeline.threads):
             t0 = time.perf_counter()
             eps = sample_units(model, self.tokenizer, self.cfg, self.group, units, version,
                                scales=self.scales)
@@ -155,7 +156,8 @@ class TrainerActor(_Publisher):
         self.weights_dir, self.keep = weights_dir, keep
 
     def step(self, batch) -> dict[str, Any]:
-        with torch_threads(self.trainer.cfg.threads):  # the run's (Trainer.step may raise them)
+        # the run's (Trainer.step may raise them)
+        with torch_threads(self.trainer.cfg.pipeline.threads):
             return self.trainer.step(batch)
 
     def published(self):
@@ -204,7 +206,7 @@ class ShardedTrainerActor(_Publisher):
         self.trainer = ShardedTrainer(self.base, self.cfg)
 
     def step(self, batch):
-        with torch_threads(self.cfg.threads):
+        with torch_threads(self.cfg.pipeline.threads):
             res = self.trainer.step(batch)  # the whole batch's metrics, on every rank
         return res if self.rank == 0 else None
 

@@ -86,7 +86,7 @@ class RayPipeline(Pipeline):
 
     def start(self) -> None:
         replicas = sum(len(a) for a in self.actors.values())
-        n = 1 if self.cfg.lockstep else max(self.cfg.workers, replicas)
+        n = 1 if self.cfg.pipeline.lockstep else max(self.cfg.pipeline.workers, replicas)
         for w in range(n):
             th = threading.Thread(target=self._work, name=f"dispatch-{w}", daemon=True)
             th.start()
@@ -200,7 +200,7 @@ class RayBackend:
         opts: dict[str, Any] = ({"num_cpus": self._cpu_share(n)} if self.placement == "cpu"
                                 else {"num_cpus": 1, "num_gpus": 1})
         # versions a sampler may still be about to read: the lag, the claims ahead, margin
-        keep = cfg.lag + cfg.queue_steps + (cfg.max_staleness or 0) + 3
+        keep = cfg.pipeline.lag + cfg.pipeline.queue_steps + (cfg.pipeline.max_staleness or 0) + 3
         if self.trainer_ranks == 1:
             actors = [ray.remote(TrainerActor).options(max_restarts=0, **opts)
                       .remote(cfg, self.weights_dir, keep)]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +23,16 @@ import torch
 
 from mismatch.io import atomic_directory, atomic_write_text, check_writable_dir
 
-from .config import TrainConfig
+from .components import CheckpointConfig
+from .config import FLAT_KEYS, TrainConfig
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["run_masks_tokens", "latest_checkpoint", "save_checkpoint", "check_ranks", "read_metrics", "cut_jsonl",
-           "check_resume", "check_out", "holds_run", "restart_logs", "write_json", "save_final"]
+__all__ = ["CheckpointConfig", "run_masks_tokens", "latest_checkpoint", "save_checkpoint",
+           "check_ranks", "read_metrics", "cut_jsonl", "check_resume", "check_out", "holds_run",
+           "restart_logs", "write_json", "save_final"]
+
 
 def write_json(path: Path, obj: Any) -> None:
     """`obj` as indented JSON, written atomically (config.json, eval.json)."""
@@ -48,18 +50,19 @@ def save_checkpoint(out: Path, step: int, trainer: Trainer | dict[str, Any], nex
                     cfg: TrainConfig, older: dict[int, dict[str, torch.Tensor]] | None = None
                     ) -> Path:
     """Write checkpoints/step-NNNNNN (temporary sibling, then renamed; the newest
-    `cfg.keep_checkpoints` kept, every one when 0).
+    `cfg.checkpoint.keep_checkpoints` kept, every one when 0).
     `trainer`: a Trainer, or the trainer state to save ({"master", "optimizer", ...})."""
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     state = trainer if isinstance(trainer, dict) else trainer.state()
     with atomic_directory(final) as tmp:
-        torch.save({"step": step, "next_unit": next_unit, "config": asdict(cfg), **state,
+        torch.save({"step": step, "next_unit": next_unit, "config": cfg.to_json(), **state,
                     "older_versions": older or {}},
                    tmp / "state.pt")
     held = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for old in held[:-cfg.keep_checkpoints] if cfg.keep_checkpoints else []:
+    keep = cfg.checkpoint.keep_checkpoints
+    for old in held[:-keep] if keep else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -99,12 +102,13 @@ def cut_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
 def check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
     """A resume computes what the saved run computed: only RESUMABLE fields may differ. A field
     the saved config lacks (a run from before the field existed) had its default."""
-    changed = [f.name for f in fields(TrainConfig) if f.name not in TrainConfig.RESUMABLE
-               and saved.get(f.name, f.default) != getattr(cfg, f.name)]
+    defaults = TrainConfig.defaults()
+    changed = [name for name in FLAT_KEYS if name not in TrainConfig.RESUMABLE
+               and saved.get(name, defaults[name]) != cfg.get(name)]
     if changed:
         name = changed[0]
         raise ValueError(f"the run was started with {name.replace('_', '-')}="
-                         f"{saved.get(name)!r}, not {getattr(cfg, name)!r}; resume with the "
+                         f"{saved.get(name)!r}, not {cfg.get(name)!r}; resume with the "
                          f"same settings or use another --out")
 
 

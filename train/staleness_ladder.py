@@ -79,8 +79,8 @@ class PolicyGradientLadder:
 
     def prepare(self, tick: Callable[[], None]) -> None:
         ctx = self.ctx
-        cfg = TrainConfig(correction="grpo", lr=self.lr, trainer_dtype="fp32",
-                          samples_per_prompt=GROUP_SIZE, prompts_per_step=PROMPTS_PER_STEP)
+        cfg = TrainConfig.flat(correction="grpo", lr=self.lr, trainer_dtype="fp32",
+                               samples_per_prompt=GROUP_SIZE, prompts_per_step=PROMPTS_PER_STEP)
         trainer = Trainer(ctx.model(ctx.trainer.compute_dtype), cfg)
         self._snapshots.append(self._cast(trainer.master))
         for step in range(self.k_max):

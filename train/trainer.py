@@ -26,12 +26,14 @@ from mismatch.engines.head import head_numerics
 from mismatch.probes.base import TORCH_DTYPES
 
 from .batch import Batch
+from .components import OptimConfig, PipelineConfig
 from .config import TrainConfig
 from .loss import ARMS, policy_loss, sc_tail_ratio
 from .rundir import check_ranks, save_checkpoint
 from .scoring import packed_scores, sampled_positions, unpacked_scores
 
-__all__ = ["Trainer", "batch_loss", "arm_loss", "step_metrics", "lockstep_threads"]
+__all__ = ["Trainer", "batch_loss", "arm_loss", "step_metrics", "lockstep_threads",
+           "OptimConfig"]
 
 
 def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
@@ -111,18 +113,18 @@ def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Ten
     return out
 
 
-def lockstep_threads(cfg: TrainConfig) -> int | None:
+def lockstep_threads(pipeline: PipelineConfig) -> int | None:
     """The trainer's threads while it steps in a lockstep mode (sync, forced staleness): the
     samplers wait for its weights then, so it takes their threads as well as its own,
     `threads` × (`workers` + 1), capped at the CPUs this process may use. None (the process's
     setting, shared with sampling) in the pipelined modes."""
-    if not cfg.lockstep:
+    if not pipeline.lockstep:
         return None
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
-    return max(cfg.threads, min(cpus, cfg.threads * (cfg.workers + 1)))
+    return max(pipeline.threads, min(cpus, pipeline.threads * (pipeline.workers + 1)))
 
 
 class Trainer:
@@ -138,9 +140,10 @@ class Trainer:
         self.compute = copy.deepcopy(model).to(compute_dtype)
         self.master.train()
         self.compute.train()
-        self.opt = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
+        self.optim: OptimConfig = cfg.optim
+        self.opt = torch.optim.AdamW(self.master.parameters(), lr=self.optim.lr, betas=(0.9, 0.999),
                                      weight_decay=0.0)
-        self.threads: int | None = lockstep_threads(cfg)
+        self.threads: int | None = lockstep_threads(cfg.pipeline)
         """torch intra-op threads while `step` runs (restored after); None: leave them."""
         self._sync_compute()
 
@@ -216,7 +219,7 @@ class Trainer:
         the global gradient norm before clipping."""
         for p, mp in zip(self.compute.parameters(), self.master.parameters()):
             mp.grad = None if p.grad is None else p.grad.float()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.optim.grad_clip)
         if torch.isfinite(grad_norm):
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -23,12 +23,13 @@ import torch
 from mismatch.probes.base import TORCH_DTYPES
 
 from .batch import Unit, task_of, unit_seed
+from .components import RolloutConfig
 from .config import TrainConfig
 from .fleet import SamplerGroup
 from .rollout import Trajectory, calibration_scales, needs_scales, run_episodes
 
-__all__ = ["model_at", "scales_at", "sample_units", "sample_in_worker", "split_units",
-           "CALIBRATION_UNITS"]
+__all__ = ["RolloutConfig", "model_at", "scales_at", "sample_units", "sample_in_worker",
+           "split_units", "CALIBRATION_UNITS"]
 
 CALIBRATION_UNITS = 8  # the calibration set: the tasks of units 0 … 7
 
@@ -79,9 +80,8 @@ def sample_units(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
     tasks = [task_of(u, cfg.seed, cfg.task_kinds) for u in units for _ in range(n)]
     return run_episodes(
         model, tokenizer, tasks, [g for g in groups for _ in range(n)], version=version,
-        scales={name: s for name, s in given.items() if s}, max_turns=cfg.max_turns,
-        max_new_tokens=cfg.max_new_tokens, top_p=cfg.top_p if top else 1.0,
-        top_k=cfg.top_p_max_tokens if top else 0, top_k_candidates=cfg.candidates,
+        scales={name: s for name, s in given.items() if s}, **cfg.rollout.episode_limits(top),
+        top_k_candidates=cfg.rollout.candidates,
         episode_seeds=[unit_seed(u, cfg.seed) * 1_009 + j for u in units for j in range(n)])
 
 

@@ -18,7 +18,7 @@ full-distribution arms of the same seed; the final is `final/`, the policy the r
 from __future__ import annotations
 
 import json
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,8 +35,7 @@ def _config(run: Path) -> TrainConfig:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{run}/config.json is missing or unreadable ({exc}); the run cannot "
                          "be evaluated") from None
-    names = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in saved.items() if k in names})
+    return TrainConfig.from_json(saved)
 
 
 def needs_full_vocab_eval(run: Path) -> bool:
@@ -50,7 +49,7 @@ def needs_full_vocab_eval(run: Path) -> bool:
         ev = HeldOut.from_json(json.loads((run / "eval.json").read_text()))
     except (ValueError, KeyError, TypeError):  # json.JSONDecodeError is a ValueError
         return False
-    return cfg.samples_top_p and bool(cfg.eval_tasks) and ev.final is not None \
+    return cfg.samples_top_p and bool(cfg.eval.eval_tasks) and ev.final is not None \
         and (ev.full_vocab is None or ev.full_vocab.final is None)
 
 
@@ -72,12 +71,12 @@ def evaluate_full_vocab(run: Path, log: Callable[[str], None] = lambda _: None
         raise ValueError(f"{run} has no final/ policy yet; evaluate it when the run has ended")
     ev = json.loads((run / "eval.json").read_text())
     full = dict(ev.get("full_vocab") or {})
-    with torch_threads(cfg.threads):
+    with torch_threads(cfg.pipeline.threads):
         for key, path in (("base", cfg.model), ("final", run / "final")):
             if key in full:
                 continue
             log(f"{run.name}: evaluating the {key} policy from the full vocabulary "
-                f"({cfg.eval_tasks} tasks × {cfg.eval_samples})")
+                f"({cfg.eval.eval_tasks} tasks × {cfg.eval.eval_samples})")
             res = evaluate(load_model(path, dtype="bfloat16"), load_tokenizer(path), cfg,
                            top_p=False)
             step = HeldOut.from_json(ev).final.step if key == "final" else None
