@@ -34,6 +34,7 @@ import torch
 from mismatch.runtime import torch_threads
 
 from .batch import Unit, build_batch
+from .components import PipelineConfig
 from .config import TrainConfig
 from .evaluation import evaluate_into
 from .fleet import SamplerGroup, run_fleet
@@ -203,7 +204,7 @@ def _take_units(pipe, cfg: TrainConfig, step: int) -> tuple[list[Unit], int]:
     return units, stale_dropped
 
 
-def _core_handoff(cfg: TrainConfig, pipe, trainer) -> Callable[[], Any]:
+def _core_handoff(pipeline: PipelineConfig, pipe, trainer) -> Callable[[], Any]:
     """What the trainer's step runs under in an asynchronous run. With sampler processes on every
     core there is no core to overlap the step with: three busy parties on two cores made the
     step slower than `--sync`'s, where the samplers wait and the trainer takes their threads.
@@ -216,7 +217,7 @@ def _core_handoff(cfg: TrainConfig, pipe, trainer) -> Callable[[], Any]:
 
     pool = getattr(pipe, "pool", None)
     cores = default_processes()
-    if cfg.pipeline.lockstep or pool is None or pool.size < cores:
+    if pipeline.lockstep or pool is None or pool.size < cores:
         return contextlib.nullcontext
     trainer.threads = cores
     log.info("asynchronous on %d cores with %d sampler processes: no core is free to overlap "
@@ -243,7 +244,7 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
                        discarded_units=discarded)
     consumed_max, consumed_total = next_unit - 1, next_unit
     pipe.start()
-    handoff = _core_handoff(cfg, pipe, trainer)
+    handoff = _core_handoff(cfg.pipeline, pipe, trainer)
     try:
         with open(metrics_path, "a") as mfile:
             steplog = _StepLog(mfile, monitor, result, progress, backend.name,
