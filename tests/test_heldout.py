@@ -67,9 +67,9 @@ def test_study_and_report_readers_go_through_the_record(tmp_path):
                            "format_error_rate": 0.0, "end_reasons": {}, "step": 5}}}
     (run / "eval.json").write_text(json.dumps(ev))
     assert _heldout(run) == {"base": 0.5, "mid": 0.6, "base_full": 0.25}
-    assert report_heldout(ev) == "—"  # no final yet
+    assert report_heldout(HeldOut.from_json(ev)) == "—"  # no final yet
     ev["final"] = dict(ev["base"], reward=1.0, step=20)
-    assert report_heldout(ev) == "0.500 → 1.000"
+    assert report_heldout(HeldOut.from_json(ev)) == "0.500 → 1.000"
 
 
 METRICS = sorted((ROOT / "reports").rglob("metrics.jsonl"))
@@ -80,7 +80,7 @@ def test_every_committed_metrics_line_reads_as_a_step_record(path):
     """metrics.jsonl through StepRecord.from_json and back: the same object, except that a log
     written before nonfinite_tokens / group_tokens existed reads None there (written back as
     null)."""
-    from mismatch.train.record import StepRecord
+    from mismatch.step_record import StepRecord
 
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     assert lines
@@ -93,7 +93,7 @@ def test_every_committed_metrics_line_reads_as_a_step_record(path):
 
 
 def test_a_step_record_with_an_unknown_or_missing_key_is_named():
-    from mismatch.train.record import StepRecord
+    from mismatch.step_record import StepRecord
 
     raw = json.loads(METRICS[0].read_text().splitlines()[0])
     with pytest.raises(ValueError, match=r"unknown keys \['klx'\]"):

@@ -223,7 +223,7 @@ def test_training_with_an_fp32_head(tmp_path, model, tok):
     assert (lp_bf16[mask] - lp_fp32[mask]).abs().max() < 0.1  # a rounding, not a change
     before = head.weight.detach().clone()
     m = trainer.step(b)
-    assert m["grad_norm"] > 0 and not torch.equal(head.weight.detach(), before)
+    assert m.grad_norm > 0 and not torch.equal(head.weight.detach(), before)
     assert "forward" not in vars(head)  # the step's patch is gone
     out = tmp_path / "run"
     small = dict(steps=2, prompts_per_step=2, samples_per_prompt=2, max_turns=2,

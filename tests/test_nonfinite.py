@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,7 @@ from mismatch.metrics import divergence_summary, nonfinite_tokens
 from mismatch.probes.tally import Tally
 from mismatch.train.batch import Batch, Unit
 from mismatch.train.loss import ARMS, policy_loss
-from mismatch.train.record import StepRecord
+from mismatch.train.record import step_record
 from mismatch.train.trainer import arm_loss, step_metrics
 
 # every public function of mismatch.metrics that takes (trainer_logprobs, sampler_logprobs, mask)
@@ -224,7 +225,7 @@ def test_trainer_step_metrics_and_record_carry_nonfinite_tokens():
     cand = -torch.rand(B, T, K, generator=g) * 3 - 1
     ent = torch.rand(B, T - 1, generator=g)
     _, m, used = arm_loss(logp, cand, batch, "grpo")
-    assert step_metrics(m, ent, logp, cand, batch, used)["nonfinite_tokens"] == 0
+    assert step_metrics(m, ent, logp, cand, batch, used).nonfinite_tokens == 0
     batch.sampler_logp = sampler.clone()
     batch.sampler_logp[0, 4] = float("nan")
     batch.sampler_logp[1, 0] = float("nan")          # not a sampled token: not counted
@@ -232,17 +233,17 @@ def test_trainer_step_metrics_and_record_carry_nonfinite_tokens():
     logp[2, 6] = float("-inf")                       # masked out: not counted
     _, m, used = arm_loss(logp, cand, batch, "grpo")
     out = step_metrics(m, ent, logp, cand, batch, used)
-    assert out["nonfinite_tokens"] == 1 and math.isfinite(out["kl"])
+    assert out.nonfinite_tokens == 1 and math.isfinite(out.kl)
     # the step's metrics.jsonl line carries it, on every step (0 included)
     eps = [SimpleNamespace(reward=1.0, end_reason="stop", sampled_mask=row.tolist())
            for row in mask]
     units = [Unit(index=0, group="a", version=0, episodes=eps[:2], seconds=1.0),
              Unit(index=1, group="b", version=0, episodes=eps[2:], seconds=1.0)]
     for count in (1, 0):
-        rec = StepRecord.of(3, units, batch, dict(out, nonfinite_tokens=count, loss=0.1,
-                                                  grad_norm=1.0),
-                            waited=0.0, train_s=1.0, wall=2.0, stale_dropped=0, claimed=2,
-                            queue_depth=0, backend="local",
-                            faults={"sampler_restarts": 0, "requeued_units": 0}).to_json()
+        rec = step_record(3, units, batch, replace(out, nonfinite_tokens=count, loss=0.1,
+                                                   grad_norm=1.0),
+                          waited=0.0, train_s=1.0, wall=2.0, stale_dropped=0, claimed=2,
+                          queue_depth=0, backend="local",
+                          faults={"sampler_restarts": 0, "requeued_units": 0}).to_json()
         assert rec["nonfinite_tokens"] == count and list(rec)[:5] == [
             "step", "reward", "kl", "kl_k1", "nonfinite_tokens"]

@@ -204,7 +204,7 @@ def test_the_ladder_steps_through_train_s_trainer_and_skips_a_non_finite_gradien
     import mismatch.train.staleness_ladder as ladder_module
     from mismatch.train.trainer import Trainer
 
-    steps: list[dict] = []
+    steps: list = []
     real_step, real_adv = Trainer.step, ladder_module.group_advantages
     monkeypatch.setattr(Trainer, "step", lambda self, b: steps.append(real_step(self, b))
                         or steps[-1])
@@ -216,5 +216,5 @@ def test_the_ladder_steps_through_train_s_trainer_and_skips_a_non_finite_gradien
     ladder = PolicyGradientLadder(ctx)
     ladder.prepare(lambda: None)
     assert len(steps) == 2
-    assert steps[0]["skipped_nonfinite"] and not steps[1]["skipped_nonfinite"]
+    assert steps[0].skipped_nonfinite and not steps[1].skipped_nonfinite
     assert ladder.changed_fraction[0] == 0.0 and ladder.changed_fraction[1] > 0

@@ -83,12 +83,12 @@ def test_two_rank_fsdp2_step_equals_one_process(batch_file, tmp_path, dtype):
     before = {k: v.clone() for k, v in ref.master.state_dict().items()}
     metrics = ref.step(batch)
     want = ref.master.state_dict()
-    assert got["metrics"]["valid_tokens"] == metrics["valid_tokens"]  # the global count
+    assert got["metrics"].valid_tokens == metrics.valid_tokens  # the global count
     # FP32: summation order only. BF16: the same math, but the GEMMs over 4-5 rows round
     # differently from those over 9, and the loss is a small sum of ± advantage terms
     rel = 1e-5 if dtype == "fp32" else 5e-2
-    assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=rel, abs=1e-7)
-    assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=rel * 10)
+    assert got["metrics"].loss == pytest.approx(metrics.loss, rel=rel, abs=1e-7)
+    assert got["metrics"].grad_norm == pytest.approx(metrics.grad_norm, rel=rel * 10)
     moved, flips, total = 0, 0, 0
     for name, w in want.items():
         g = got["master"][name]

@@ -94,7 +94,7 @@ def test_killed_sampler_actor_is_restarted_and_nothing_is_lost(ray_session, loca
     seen: dict[str, int] = {}
 
     def kill_during_step_2(rec):
-        if rec["step"] != 1:
+        if rec.step != 1:
             return
         pipe = backend.pipe
         deadline = time.monotonic() + 60
@@ -144,7 +144,7 @@ def test_a_dead_trainer_ends_the_run_resumably(ray_session, local_sync, tmp_path
     out = tmp_path / "trainer-killed"
 
     def kill_trainer_after_step_3(rec):  # its step-2 checkpoint is written
-        if rec["step"] == 3:
+        if rec.step == 3:
             os.kill(ray.get(backend._actors[0].pid.remote()), signal.SIGKILL)
 
     cfg = dict(SYNC, checkpoint_every=2)

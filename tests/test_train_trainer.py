@@ -344,7 +344,7 @@ def test_trainer_steps_raise_rewarded_and_lower_unrewarded_sequences(model, tok,
     delta = seq_logp() - before
     # shared tokens are pushed both ways; what the advantage guarantees is the contrast: the
     # rewarded sequences gain on the unrewarded ones, and the unrewarded lose on average
-    assert m["grad_norm"] > 0 and delta[rewarded].min() > delta[~rewarded].max(), delta
+    assert m.grad_norm > 0 and delta[rewarded].min() > delta[~rewarded].max(), delta
     assert delta[~rewarded].mean() < 0, delta
     # the master moved and the published BF16 weights are its cast
     master = dict(trainer.master.named_parameters())

@@ -45,7 +45,7 @@ from mismatch.runtime import torch_threads
 from .batch import Batch
 from .config import TrainConfig
 from .rundir import check_ranks, save_checkpoint
-from .trainer import Trainer, arm_loss, step_metrics
+from .trainer import StepMetrics, Trainer, arm_loss, step_metrics
 
 __all__ = ["setup", "shard_rows", "ShardedTrainer"]
 
@@ -140,7 +140,7 @@ class ShardedTrainer(Trainer):
         return grad_norm
 
     def _metrics(self, m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Tensor,
-                 batch: Batch, mask: torch.Tensor) -> dict[str, Any]:
+                 batch: Batch, mask: torch.Tensor) -> StepMetrics:
         """Every rank's scores gathered (rows in rank order: the batch's), and the metrics of
         the whole batch computed from them as one process would."""
         parts: list = [None] * dist.get_world_size()

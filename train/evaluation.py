@@ -21,7 +21,7 @@ from .batch import unit_seed
 from .components import EvalConfig
 from .config import TrainConfig
 from .fleet import fleet
-from .heldout import HeldOutScore
+from .heldout import HeldOut, HeldOutScore
 from .rollout import run_episodes
 
 __all__ = ["EvalConfig", "evaluate", "evaluate_into"]
@@ -56,17 +56,20 @@ def evaluate(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
                         end_reasons=dict(sorted(ends.items())))
 
 
-def evaluate_into(evaluation: dict[str, Any], key: str, model: torch.nn.Module, tokenizer,
-                  cfg: TrainConfig, step: int | None = None) -> None:
-    """Evaluate the policy into `evaluation` (eval.json's dict) at `key` ("base", "final", or a
-    step of "during"), with `step` recorded; a top-p arm's policy also from the full vocabulary
-    under evaluation["full_vocab"] at the same key."""
-    modes = [(evaluation, None)]
+def evaluate_into(held: HeldOut, at: str | int, model: torch.nn.Module, tokenizer,
+                  cfg: TrainConfig, step: int | None = None) -> HeldOut:
+    """`held` with the policy evaluated at `at` ("base", "final", or a step of "during"), `step`
+    recorded; a top-p arm's policy also from the full vocabulary, in `held.full_vocab` at the
+    same point."""
+    def placed(into: HeldOut, score: HeldOutScore) -> HeldOut:
+        if isinstance(at, int):
+            return replace(into, during={**into.during, at: score})
+        if at not in ("base", "final"):
+            raise ValueError(f"an evaluation is at base, final or a step, not {at!r}")
+        return replace(into, **{at: score})
+
+    held = placed(held, replace(evaluate(model, tokenizer, cfg), step=step))
     if cfg.samples_top_p:
-        modes.append((evaluation.setdefault("full_vocab", {}), False))
-    for into, top_p in modes:
-        res = replace(evaluate(model, tokenizer, cfg, top_p=top_p), step=step).to_json()
-        if key.isdigit():
-            into.setdefault("during", {})[key] = res
-        else:
-            into[key] = res
+        full = replace(evaluate(model, tokenizer, cfg, top_p=False), step=step)
+        held = replace(held, full_vocab=placed(held.full_vocab or HeldOut(), full))
+    return held

@@ -32,15 +32,17 @@ from typing import Any, Callable
 import torch
 
 from mismatch.runtime import torch_threads
+from mismatch.step_record import StepRecord, read_steps
 
 from .batch import Unit, build_batch
 from .components import PipelineConfig
 from .config import TrainConfig
 from .evaluation import evaluate_into
 from .fleet import SamplerGroup, run_fleet
+from .heldout import HeldOut
 from .pipeline import Pipeline, Publisher
-from .record import StepRecord
-from .rundir import (check_out, check_resume, cut_jsonl, read_metrics, restart_logs,
+from .record import step_record
+from .rundir import (check_out, check_resume, cut_jsonl, restart_logs,
                      save_final, write_json)
 from .trainer import Trainer
 
@@ -61,9 +63,9 @@ class RunResult:
     resumed_from: int | None = None
     discarded_units: int = 0
     alerts: list = field(default_factory=list)
-    evaluation: dict[str, Any] = field(default_factory=dict)
-    """{"base": …, "during": {"<step>": …}, "final": …} mean reward on the held-out tasks (when
-    eval_tasks > 0; "during" with eval_every > 0)."""
+    evaluation: HeldOut = field(default_factory=HeldOut)
+    """The held-out evaluations (eval.json): before the first step, every `eval_every` steps,
+    after the last (when eval_tasks > 0)."""
 
 
 LOGS = ("metrics.jsonl", "alerts.jsonl", "eval.json")
@@ -104,7 +106,7 @@ class LocalBackend:
 
 
 def run(cfg: TrainConfig, out: Path, *, resume: bool = False, stop_on: str | None = None,
-        model=None, tokenizer=None, progress: Callable[[dict], None] | None = None,
+        model=None, tokenizer=None, progress: Callable[[StepRecord], None] | None = None,
         log_alerts: bool = True, monitor_config=None, backend=None) -> RunResult:
     """Train `cfg.steps` steps into `out` (see the module docstring). `stop_on`: end the run,
     with a checkpoint, on the first alert of that severity or worse. `monitor_config`: the
@@ -150,10 +152,10 @@ def _restore(cfg: TrainConfig, out: Path, ckpt: Path | None, trainer):
     check_resume(cfg, state["config"])
     trainer.load(state)
     step, next_unit = int(state["step"]), int(state["next_unit"])
-    before = read_metrics(metrics_path)
-    claimed = max((r.get("units_claimed", 0) for r in before), default=next_unit)
+    before = read_steps(metrics_path)
+    claimed = max((r.units_claimed for r in before), default=next_unit)
     discarded = max(0, claimed - next_unit)
-    history = cut_jsonl(metrics_path, step)
+    history = [StepRecord.from_json(r) for r in cut_jsonl(metrics_path, step)]
     cut_jsonl(alerts_path, step)
     log.warning("resuming %s at step %d: %d later step(s) of the log dropped; %d unit(s) "
                 "(%d episodes) claimed after the checkpoint are discarded and regenerated",
@@ -162,20 +164,21 @@ def _restore(cfg: TrainConfig, out: Path, ckpt: Path | None, trainer):
     return step, next_unit, discarded, history, state
 
 
-def _base_evaluation(cfg: TrainConfig, out: Path, trainer, tokenizer) -> dict[str, Any]:
+def _base_evaluation(cfg: TrainConfig, out: Path, trainer, tokenizer) -> HeldOut:
     """eval.json as far as it goes, with the base policy evaluated where it is not yet."""
     eval_path = out / "eval.json"
-    evaluation = json.loads(eval_path.read_text()) if eval_path.exists() else {}
-    if cfg.eval.eval_tasks and "base" not in evaluation:
+    held = HeldOut.from_json(json.loads(eval_path.read_text())) if eval_path.exists() \
+        else HeldOut()
+    if cfg.eval.eval_tasks and held.base is None:
         log.info("evaluating the base policy on %d held-out tasks × %d", cfg.eval.eval_tasks,
                  cfg.eval.eval_samples)
-        evaluation = {"tasks": cfg.eval.eval_tasks, "samples": cfg.eval.eval_samples}
-        evaluate_into(evaluation, "base", trainer.policy(), tokenizer, cfg)
-        write_json(eval_path, evaluation)
-    return evaluation
+        held = evaluate_into(HeldOut(tasks=cfg.eval.eval_tasks, samples=cfg.eval.eval_samples),
+                             "base", trainer.policy(), tokenizer, cfg)
+        write_json(eval_path, held.to_json())
+    return held
 
 
-def _monitor(cfg: TrainConfig, monitor_config, history: list[dict[str, Any]],
+def _monitor(cfg: TrainConfig, monitor_config, history: list[StepRecord],
              alerts_path: Path, log_alerts: bool):
     """The collapse monitor, its baselines and debouncing rebuilt from the kept log, then its
     sinks attached (so the replay writes no alert twice)."""
@@ -253,9 +256,8 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
             while step < cfg.steps:
                 t0 = time.perf_counter()
                 units, stale_dropped = _take_units(pipe, cfg, step)
-                waited = time.perf_counter() - t0
-                depth = pipe.results.qsize()
-                t1 = time.perf_counter()
+                waited, depth, t1 = time.perf_counter() - t0, pipe.results.qsize(), \
+                    time.perf_counter()
                 batch = build_batch(units, step, pad_id)
                 with handoff():
                     m = trainer.step(batch)
@@ -270,7 +272,8 @@ def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, mo
                                        train_s=train_s, wall=wall, stale_dropped=stale_dropped,
                                        queue_depth=depth)
                 stopped = _stop_reason(alerts, stop_on)
-                _evaluate_during(cfg, step, evaluation, trainer, tokenizer, eval_path)
+                evaluation = _evaluate_during(cfg, step, evaluation, trainer, tokenizer,
+                                              eval_path)
                 if step % cfg.checkpoint.checkpoint_every == 0 or step == cfg.steps or stopped:
                     trainer.save(out, step, consumed_max + 1, publisher.older())
                     last_ckpt = step
@@ -296,7 +299,7 @@ class _StepLog:
     file: Any
     monitor: Any
     result: RunResult
-    progress: Callable[[dict[str, Any]], None] | None
+    progress: Callable[[StepRecord], None] | None
     backend: str
     cost_per_token: dict[str, float]
     discarded: int
@@ -306,11 +309,11 @@ class _StepLog:
         """Log step `step`; returns the monitor's alerts on it."""
         resumed = self.result.resumed_from
         first = resumed is not None and step == resumed + 1
-        rec = StepRecord.of(step, units, batch, m, claimed=pipe.cursor, backend=self.backend,
-                            faults=pipe.faults,
-                            resumed_discarded_units=self.discarded if first else None,
-                            cost_per_token=self.cost_per_token, **figures).to_json()
-        self.file.write(json.dumps(rec) + "\n")
+        rec = step_record(step, units, batch, m, claimed=pipe.cursor, backend=self.backend,
+                          faults=pipe.faults,
+                          resumed_discarded_units=self.discarded if first else None,
+                          cost_per_token=self.cost_per_token, **figures)
+        self.file.write(json.dumps(rec.to_json()) + "\n")
         self.file.flush()
         alerts = self.monitor.update(rec)  # also written to the alert file and the log
         self.result.alerts.extend(alerts)
@@ -328,21 +331,22 @@ def _stop_reason(alerts: list, stop_on: str | None) -> str | None:
     return f"{worst.severity} alert on {worst.signal} at step {worst.step}"
 
 
-def _evaluate_final(cfg: TrainConfig, step: int, evaluation: dict[str, Any], trainer, tokenizer,
-                    eval_path: Path) -> dict[str, Any]:
+def _evaluate_final(cfg: TrainConfig, step: int, held: HeldOut, trainer, tokenizer,
+                    eval_path: Path) -> HeldOut:
     """The trained policy on the held-out tasks (where the run evaluates): eval.json's "final"."""
     if cfg.eval.eval_tasks:
         log.info("evaluating the trained policy (step %d)", step)
-        evaluate_into(evaluation, "final", trainer.policy(), tokenizer, cfg, step=step)
-        write_json(eval_path, evaluation)
-    return evaluation
+        held = evaluate_into(held, "final", trainer.policy(), tokenizer, cfg, step=step)
+        write_json(eval_path, held.to_json())
+    return held
 
 
-def _evaluate_during(cfg: TrainConfig, step: int, evaluation: dict[str, Any], trainer,
-                     tokenizer, eval_path: Path) -> None:
+def _evaluate_during(cfg: TrainConfig, step: int, held: HeldOut, trainer, tokenizer,
+                     eval_path: Path) -> HeldOut:
     """--eval-every: the held-out tasks at this step, unless done (a resumed run) or final."""
     if (cfg.eval.eval_tasks and cfg.eval.eval_every and step % cfg.eval.eval_every == 0
-            and step < cfg.steps and str(step) not in evaluation.get("during", {})):
+            and step < cfg.steps and step not in held.during):
         log.info("evaluating the policy at step %d", step)
-        evaluate_into(evaluation, str(step), trainer.policy(), tokenizer, cfg, step=step)
-        write_json(eval_path, evaluation)
+        held = evaluate_into(held, step, trainer.policy(), tokenizer, cfg, step=step)
+        write_json(eval_path, held.to_json())
+    return held

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mismatch.io import atomic_directory, save_figure
+from mismatch.probes.monitor.signals import Alert
+from mismatch.probes.monitor.sinks import read_alerts
+from mismatch.step_record import StepRecord, read_steps
 
-from .rundir import read_metrics
+from .heldout import HeldOut
 
-__all__ = ["write_report", "load_run", "PANELS"]
+__all__ = ["write_report", "load_run", "RunLog", "PANELS"]
 
 PANELS = (
     ("reward", "training reward (batch mean)", False),
@@ -33,20 +37,33 @@ PANELS = (
     ("queue_depth", "finished units queued when the trainer took its batch", False),
     ("trainer_idle_share", "share of the step the trainer waited for samples", False),
 )
-"""(metrics key, title, log scale) of each panel."""
+"""(StepRecord field, title, log scale) of each panel."""
 _SMOOTH = 10
 
 
-def load_run(path: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RunLog:
+    """What a run directory holds for its report: steps, held-out evaluation, alerts."""
+
+    path: Path
+    steps: list[StepRecord]
+    heldout: HeldOut
+    alerts: list[Alert]
+    label: str
+    """The run's correction arm and directory name."""
+
+
+def load_run(path: Path) -> RunLog:
+    """A `mismatch train` run directory's log; a ValueError that says what is wrong if it is
+    not one or is damaged."""
     path = Path(path)
-    metrics = read_metrics(path / "metrics.jsonl")
-    if not metrics:
+    steps = read_steps(path / "metrics.jsonl")
+    if not steps:
         raise ValueError(f"{path} has no metrics.jsonl records; is it a `mismatch train` run "
                          "directory?")
     cfg = _json(path / "config.json")
-    return {"path": path, "metrics": metrics, "config": cfg, "eval": _json(path / "eval.json"),
-            "alerts": read_metrics(path / "alerts.jsonl"),
-            "label": f"{cfg.get('correction', path.name)} ({path.name})"}
+    return RunLog(path=path, steps=steps, heldout=HeldOut.from_json(_json(path / "eval.json")),
+                  alerts=read_alerts(path / "alerts.jsonl"), label=f"{cfg.get('correction', path.name)} ({path.name})")
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -66,36 +83,32 @@ def _smooth(ys: list[float], k: int = _SMOOTH) -> list[float]:
     return out
 
 
-def _mean(rows: list[dict], key: str) -> float:
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+def _mean(values) -> float:
+    vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def summary_rows(runs: list[dict[str, Any]], window: int = 20) -> list[list[str]]:
+def summary_rows(runs: list[RunLog], window: int = 20) -> list[list[str]]:
     """One row per run: first/last `window` steps' means and the held-out evaluation."""
     rows = []
     for r in runs:
-        m = r["metrics"]
-        first, last = m[:window], m[-window:]
-        ev = r["eval"]
+        first, last = r.steps[:window], r.steps[-window:]
         rows.append([
-            r["label"], str(m[-1]["step"]),
-            f"{_mean(first, 'reward'):.3f} → {_mean(last, 'reward'):.3f}",
-            _heldout(ev),
-            f"{_mean(first, 'kl'):.2e} → {_mean(last, 'kl'):.2e}",
-            f"{_mean(first, 'format_error_rate'):.3f} → {_mean(last, 'format_error_rate'):.3f}",
-            f"{_mean(last, 'mis_masked_fraction'):.4f}",
-            f"{_mean(m, 'staleness_mean'):.2f}",
-            str(len(r["alerts"])),
+            r.label, str(r.steps[-1].step),
+            f"{_mean(s.reward for s in first):.3f} → {_mean(s.reward for s in last):.3f}",
+            _heldout(r.heldout),
+            f"{_mean(s.kl for s in first):.2e} → {_mean(s.kl for s in last):.2e}",
+            f"{_mean(s.format_error_rate for s in first):.3f} → "
+            f"{_mean(s.format_error_rate for s in last):.3f}",
+            f"{_mean(s.mis_masked_fraction for s in last):.4f}",
+            f"{_mean(s.staleness_mean for s in r.steps):.2f}",
+            str(len(r.alerts)),
         ])
     return rows
 
 
-def _heldout(ev: dict[str, Any]) -> str:
+def _heldout(held: HeldOut) -> str:
     """base → final held-out reward; a top-p arm's also from the full vocabulary."""
-    from .heldout import HeldOut
-
-    held = HeldOut.from_json(ev)
     if not held.complete:
         return "—"
     out = f"{held.base.reward:.3f} → {held.final.reward:.3f}"
@@ -105,40 +118,41 @@ def _heldout(ev: dict[str, Any]) -> str:
     return out
 
 
-def _per_group(plt, runs: list[dict[str, Any]], key: str, title: str, log: bool, path: Path):
-    """One panel per run: the per-group signal `key` ({group: value}) against the step."""
+def _per_group(plt, runs: list[RunLog], per_group, title: str, log: bool, path: Path):
+    """One panel per run: the per-group signal `per_group(step)` ({group: value}) against the
+    step."""
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.8), squeeze=False,
                              sharey=True)
     for ax, r in zip(axes[0], runs):
-        names = sorted({g for row in r["metrics"] for g in row.get(key) or {}})
+        names = sorted({g for row in r.steps for g in per_group(row) or {}})
         for g in names:
-            pts = [(row["step"], row[key][g]) for row in r["metrics"]
-                   if isinstance((row.get(key) or {}).get(g), (int, float))]
+            pts = [(row.step, per_group(row)[g]) for row in r.steps
+                   if isinstance((per_group(row) or {}).get(g), (int, float))]
             ax.plot([x for x, _ in pts], _smooth([y for _, y in pts]), lw=1.4, marker="o",
                     ms=2.5, label=g)
         if log:
             ax.set_yscale("log")
-        ax.set_title(f"{title} — {r['label']}", fontsize=9)
+        ax.set_title(f"{title} — {r.label}", fontsize=9)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     return save_figure(fig, path)
 
 
-def _staleness(plt, runs: list[dict[str, Any]], path: Path):
+def _staleness(plt, runs: list[RunLog], path: Path):
     """Tokens consumed at each staleness (steps), summed over the run, one bar group per run."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(runs)
     for k, r in enumerate(runs):
         total: dict[int, int] = {}
-        for row in r["metrics"]:
-            for lag, n in (row.get("staleness_tokens") or {}).items():
+        for row in r.steps:
+            for lag, n in (row.staleness_tokens or {}).items():
                 total[int(lag)] = total.get(int(lag), 0) + int(n)
         lags = sorted(total)
         all_tokens = sum(total.values()) or 1
         ax.bar([x + (k - (len(runs) - 1) / 2) * width for x in lags],
                [total[x] / all_tokens for x in lags],
-               width=width, label=r["label"])
+               width=width, label=r.label)
     ax.set_xlabel("staleness (optimizer steps)")
     ax.set_ylabel("share of consumed tokens")
     ax.legend(fontsize=8)
@@ -158,11 +172,11 @@ def write_report(dirs: list[Path], out: Path) -> Path:
                                  sharex=True)
         for ax, (key, title, log) in zip(axes.flat, PANELS):
             for r in runs:
-                xs = [row["step"] for row in r["metrics"]]
-                ys = [row.get(key) for row in r["metrics"]]
+                xs = [row.step for row in r.steps]
+                ys = [getattr(row, key) for row in r.steps]
                 ys = [y if isinstance(y, (int, float)) else float("nan") for y in ys]
                 line, = ax.plot(xs, ys, lw=0.6, alpha=0.35)
-                ax.plot(xs, _smooth(ys), lw=1.8, color=line.get_color(), label=r["label"])
+                ax.plot(xs, _smooth(ys), lw=1.8, color=line.get_color(), label=r.label)
             ax.set_title(title, fontsize=10)
             if log:
                 ax.set_yscale("log")
@@ -173,10 +187,10 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         fig.suptitle("training curves (emulated sampler fleet; thin: per step, thick: "
                      f"{_SMOOTH}-step moving average)", fontsize=11)
         png = save_figure(fig, tmp / "curves.png")
-        group_png = _per_group(plt, runs, "group_kl", "KL per sampler group", True,
+        group_png = _per_group(plt, runs, lambda s: s.group_kl, "KL per sampler group", True,
                                tmp / "group_kl.png")
-        speed_png = _per_group(plt, runs, "group_tokens_per_s", "sampled tokens/s per group",
-                               False, tmp / "group_tokens_per_s.png")
+        speed_png = _per_group(plt, runs, lambda s: s.group_tokens_per_s,
+                               "sampled tokens/s per group", False, tmp / "group_tokens_per_s.png")
         stale_png = _staleness(plt, runs, tmp / "staleness.png")
         head = ["run", "steps", "reward (first 20 → last 20)", "held-out reward (base → final)",
                 "KL k3 (first 20 → last 20)", "format-error share", "MIS-masked (last 20)",
@@ -192,18 +206,17 @@ def write_report(dirs: list[Path], out: Path) -> Path:
                   "spent on them; emulated numerics on CPU):", "", f"![group speed]({speed_png})",
                   "", "Staleness of every consumed token over the run:", "",
                   f"![staleness]({stale_png})", ""]
-        faults = [(r["label"], r["metrics"][-1]) for r in runs
-                  if r["metrics"][-1].get("sampler_restarts")]
+        faults = [(r.label, r.steps[-1]) for r in runs if r.steps[-1].sampler_restarts]
         for label, last in faults:
-            lines.append(f"{label}: {last['sampler_restarts']} sampler restart(s), "
-                         f"{last['requeued_units']} unit(s) sampled again.")
+            lines.append(f"{label}: {last.sampler_restarts} sampler restart(s), "
+                         f"{last.requeued_units} unit(s) sampled again.")
         if faults:
             lines.append("")
         for r in runs:
-            if r["alerts"]:
-                lines.append(f"Alerts of {r['label']}:")
-                lines += [f"- step {a['step']}: {a.get('severity')} on {a.get('signal')} — "
-                          f"{a.get('message', '')}" for a in r["alerts"]]
+            if r.alerts:
+                lines.append(f"Alerts of {r.label}:")
+                lines += [f"- step {a.step}: {a.severity} on {a.signal} — {a.message}"
+                          for a in r.alerts]
                 lines.append("")
         (tmp / "report.md").write_text("\n".join(lines))
     return Path(out) / "report.md"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,12 @@ from .batch import Batch
 from .components import OptimConfig, PipelineConfig
 from .config import TrainConfig
 from .loss import ARMS, policy_loss, sc_tail_ratio
+from .record import StepMetrics
 from .rundir import check_ranks, save_checkpoint
 from .scoring import packed_scores, sampled_positions, unpacked_scores
 
-__all__ = ["Trainer", "batch_loss", "arm_loss", "step_metrics", "lockstep_threads",
-           "OptimConfig"]
+__all__ = ["Trainer", "StepMetrics", "batch_loss", "arm_loss", "step_metrics",
+           "lockstep_threads", "OptimConfig"]
 
 
 def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
@@ -82,7 +84,7 @@ def _packed_loss(lp: torch.Tensor, cl: torch.Tensor, batch: Batch, at, correctio
 
 
 def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Tensor,
-                 batch: Batch, mask: torch.Tensor) -> dict[str, Any]:
+                 batch: Batch, mask: torch.Tensor) -> StepMetrics:
     """A step's numerics metrics from the loss's metrics `m`, the trainer's entropy [B, T-1] and
     log-probs (tokens [B, T], candidates [B, T, K]) of the whole batch (read at the sampled
     tokens `mask` only). `nonfinite_tokens`: sampled tokens whose sampler or trainer log-prob
@@ -95,22 +97,25 @@ def step_metrics(m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Ten
         rows = torch.tensor([x == g for x in batch.groups])
         gm = valid & rows[:, None]
         per_group[g] = float(kl_estimators(logp, batch.sampler_logp, gm)["kl_k3"])
-    out = {"kl": float(kl["kl_k3"]), "kl_k1": float(kl["kl_k1"]),
-           "mis_masked_fraction": float(m["mis_masked_fraction"]),
-           "ratio_p05": float(m["ratio_p05"]), "ratio_p50": float(m["ratio_p50"]),
-           "ratio_p95": float(m["ratio_p95"]), "entropy": ent_mean, "group_kl": per_group,
-           "valid_tokens": int(m["valid_tokens"]),
-           "nonfinite_tokens": int(m["nonfinite_tokens"])}
     if "sc_tail_ratio" in m:
-        out["sc_tail_ratio"] = float(m["sc_tail_ratio"])
+        tail = float(m["sc_tail_ratio"])
     else:  # over the valid tokens alone, packed (the same rows, the same mean)
         at = valid.nonzero(as_tuple=True)
-        out["sc_tail_ratio"] = sc_tail_ratio(cand[at][None], batch.cand_sampler_logp[at][None],
-                                             torch.ones(1, len(at[0]), dtype=torch.bool))
-    for key in ("head_mass_sampler", "support_mass_sampler", "support_mass_trainer"):
-        if key in m:
-            out[key] = float(m[key])
-    return out
+        tail = sc_tail_ratio(cand[at][None], batch.cand_sampler_logp[at][None],
+                             torch.ones(1, len(at[0]), dtype=torch.bool))
+
+    def optional(key: str) -> float | None:
+        return float(m[key]) if key in m else None
+
+    return StepMetrics(
+        kl=float(kl["kl_k3"]), kl_k1=float(kl["kl_k1"]),
+        mis_masked_fraction=float(m["mis_masked_fraction"]),
+        ratio_p05=float(m["ratio_p05"]), ratio_p50=float(m["ratio_p50"]),
+        ratio_p95=float(m["ratio_p95"]), entropy=ent_mean, group_kl=per_group,
+        valid_tokens=int(m["valid_tokens"]), nonfinite_tokens=int(m["nonfinite_tokens"]),
+        sc_tail_ratio=float(tail), head_mass_sampler=optional("head_mass_sampler"),
+        support_mass_sampler=optional("support_mass_sampler"),
+        support_mass_trainer=optional("support_mass_trainer"))
 
 
 def lockstep_threads(pipeline: PipelineConfig) -> int | None:
@@ -177,16 +182,16 @@ class Trainer:
     def save(self, out: Path, step: int, next_unit: int,
              older: dict[int, dict[str, torch.Tensor]] | None = None) -> Path:
         """Write the checkpoint of `step` into out/checkpoints (see save_checkpoint)."""
-        return save_checkpoint(out, step, self, next_unit, self.cfg, older)
+        return save_checkpoint(out, step, self.state(), next_unit, self.cfg, older)
 
-    def step(self, batch: Batch) -> dict[str, Any]:
-        """One corrected GRPO step; returns its metrics (floats). Runs on `self.threads`
+    def step(self, batch: Batch) -> StepMetrics:
+        """One corrected GRPO step; returns its metrics. Runs on `self.threads`
         intra-op threads when set (the process's count is restored after)."""
         with torch_threads(self.threads), bf16_gemms(), \
                 head_numerics(self._loss_model(), self.cfg.lm_head):
             return self._step(batch)
 
-    def _step(self, batch: Batch) -> dict[str, Any]:
+    def _step(self, batch: Batch) -> StepMetrics:
         model = self._loss_model()
         model.zero_grad(set_to_none=True)
         loss, m, ent, logp, cand, mask = batch_loss(model, self._rows(batch), self.cfg.correction)
@@ -194,9 +199,8 @@ class Trainer:
         with torch.no_grad():
             grad_norm = self._apply_gradients()
             out = self._metrics(m, ent, logp, cand, batch, mask)
-        out.update(loss=loss_value, grad_norm=float(grad_norm),
-                   skipped_nonfinite=not bool(torch.isfinite(grad_norm)))
-        return out
+        return replace(out, loss=loss_value, grad_norm=float(grad_norm),
+                       skipped_nonfinite=not bool(torch.isfinite(grad_norm)))
 
     # the step's hooks (single process: the whole batch on the BF16 cast, gradients to the master)
 
@@ -227,6 +231,6 @@ class Trainer:
         return grad_norm
 
     def _metrics(self, m: dict, ent: torch.Tensor, logp: torch.Tensor, cand: torch.Tensor,
-                 batch: Batch, mask: torch.Tensor) -> dict[str, Any]:
+                 batch: Batch, mask: torch.Tensor) -> StepMetrics:
         """The step's metrics (step_metrics) from the scored rows' loss metrics and scores."""
         return step_metrics(m, ent, logp.detach(), cand.detach(), batch, mask)

@@ -213,9 +213,7 @@ def _run_reporting_errors(body, steps: int, quiet: bool, out: Path, command: str
 def _result_lines(out: Path, cfg, result) -> list[str]:
     """What the run did, for the terminal: steps, held-out reward (through a top-p arm's nucleus,
     then from the full vocabulary), alerts."""
-    from mismatch.train.heldout import HeldOut
-
-    ev = HeldOut.from_json(result.evaluation)
+    ev = result.evaluation
     lines = [f"{out}: {result.steps_done} steps ({cfg.correction} on {cfg.fleet})"]
     for label, e in (("", ev), (" from the full vocabulary", ev.full_vocab)):
         if e is not None and e.complete:
@@ -253,9 +251,9 @@ def _interrupted(out: Path, command: str) -> None:
 def _with_step_bar(fn, total: int, *, quiet: bool):
     """fn(progress) with a bar over the run's optimizer steps."""
     return run_with_state_bar(fn, quiet=quiet, label="training", total=lambda _: total,
-                              completed=lambda rec: rec["step"], describe=lambda rec: (
-                                  f"reward {rec['reward']:.2f} kl {rec['kl']:.1e} "
-                                  f"stale {rec['staleness_mean']:.1f}"))
+                              completed=lambda rec: rec.step, describe=lambda rec: (
+                                  f"reward {rec.reward:.2f} kl {rec.kl:.1e} "
+                                  f"stale {rec.staleness_mean:.1f}"))
 
 
 def report_command(

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mismatch.probes.monitor.sinks import read_alerts
+from mismatch.step_record import StepRecord
+
 from .cells import Cell, StudyConfig
 
 __all__ = ["RunSummary", "summarize_run", "replayed_alert", "cell_runs", "cell_panels",
@@ -136,13 +139,11 @@ def summarize_run(run: Path) -> RunSummary | None:
     """One run's curves and the figures the study compares (None if it logged nothing)."""
     from mismatch.train.rundir import read_metrics
 
-    from mismatch.train.record import StepRecord
-
     raw = read_metrics(run / "metrics.jsonl")
     if not raw:
         return None
     recs = [StepRecord.from_json(r) for r in raw]
-    alerts = read_metrics(run / "alerts.jsonl")
+    alerts = read_alerts(run / "alerts.jsonl")
     reward = [r.reward for r in recs]
     kl = [r.kl for r in recs]
     fmt = [r.format_error_rate for r in recs]
@@ -150,8 +151,8 @@ def summarize_run(run: Path) -> RunSummary | None:
     base = sum(reward[:3]) / len(reward[:3])
     halved = next((recs[i].step for i, a in enumerate(acc)
                    if i >= WINDOW - 1 and a <= 0.5 * base), None)
-    critical = [a for a in alerts if a.get("severity") == "critical"]
-    first_critical = min((a["step"] for a in critical), default=None)
+    critical = [a for a in alerts if a.severity == "critical"]
+    first_critical = min((a.step for a in critical), default=None)
     early_kl = sorted(kl[:WINDOW])[len(kl[:WINDOW]) // 2]
     end = slice(-WINDOW, None)
     kl_max = max(trailing(kl))
@@ -176,7 +177,7 @@ def summarize_run(run: Path) -> RunSummary | None:
         format_at_collapse=max(trailing(fmt)[:upto]),
         format_early=format_early, format_ending_step=format_ending,
         halved_step=halved, first_critical=first_critical,
-        critical_alerts=len(critical), alert_signals=sorted({a["signal"] for a in critical}),
+        critical_alerts=len(critical), alert_signals=sorted({a.signal for a in critical}),
         group_kl_first=recs[0].group_kl,
         mis_masked_end=sum(r.mis_masked_fraction for r in recs[end]) / len(recs[end]),
         heldout=_heldout(run),

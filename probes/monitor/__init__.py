@@ -31,7 +31,7 @@ from mismatch.probes.monitor.state import CollapseMonitor
 from mismatch.probes.monitor.follow import (check_log, follow_lines, follow_state, read_records,
                                             reads_state, stop_on_signals)
 from mismatch.probes.monitor.baselines import baselines_from, baselines_from_log
-from mismatch.probes.monitor.sinks import JsonlSink, TerminalSink, open_sinks
+from mismatch.probes.monitor.sinks import JsonlSink, TerminalSink, open_sinks, read_alerts
 from mismatch.probes.monitor.prometheus import PrometheusSink
 from mismatch.probes.monitor.summary import run_summary, sink_problems, summary_line, unreadable
 
@@ -42,6 +42,6 @@ __all__ = [
     "CollapseMonitor",
     "check_log", "follow_lines", "follow_state", "read_records", "reads_state", "stop_on_signals",
     "baselines_from", "baselines_from_log",
-    "JsonlSink", "TerminalSink", "open_sinks", "PrometheusSink",
+    "JsonlSink", "TerminalSink", "open_sinks", "read_alerts", "PrometheusSink",
     "run_summary", "sink_problems", "summary_line", "unreadable",
 ]

@@ -14,13 +14,33 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-__all__ = ["SEVERITIES", "SIGNALS", "Alert", "Sink", "alert_json", "as_number", "severity_rank"]
+from mismatch.step_record import StepRecord
+
+__all__ = ["SEVERITIES", "SIGNALS", "STALENESS_FIELDS", "Alert", "Sink", "alert_json", "as_number",
+           "native_record", "severity_rank"]
 
 SIGNALS = ("kl", "format_error_rate", "reward", "sc_tail_ratio", "mis_masked_fraction",
            "entropy", "response_length", "nonfinite_tokens")
 """The monitored signals, in the native metrics format's field names (`nonfinite_tokens`: the
 trainer's count of non-finite log-probs at unmasked positions of the step)."""
 SEVERITIES = ("warning", "critical")
+STALENESS_FIELDS = ("staleness_max", "staleness_mean")
+"""Fields passed on beside the signals: a first record at staleness 0 was sampled at the weights
+it trains, so its KL is the probe of the KL's floor (state.py)."""
+
+
+def native_record(record: StepRecord) -> dict[str, Any]:
+    """A `mismatch train` step's record as the monitor reads it: its step, every signal and the
+    staleness fields, by attribute (a field renamed in the schema breaks here, not silently in
+    the monitor). Older logs' `nonfinite_tokens` is None: not observed."""
+    return {"step": record.step, "kl": record.kl,
+            "format_error_rate": record.format_error_rate, "reward": record.reward,
+            "sc_tail_ratio": record.sc_tail_ratio,
+            "mis_masked_fraction": record.mis_masked_fraction, "entropy": record.entropy,
+            "response_length": record.response_length,
+            "nonfinite_tokens": record.nonfinite_tokens,
+            "staleness_max": record.staleness_max, "staleness_mean": record.staleness_mean}
+
 Severity = Literal["warning", "critical"]
 
 
@@ -36,11 +56,16 @@ def as_number(x: Any) -> float | None:
         return None
 
 
-def severity_rank(severity: str) -> int:
-    """0 for warning, 1 for critical (for --fail-on comparisons)."""
+def severity_name(severity: Any) -> Severity:
+    """`severity` if it is one of SEVERITIES, else a ValueError naming them."""
     if severity not in SEVERITIES:
         raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, got {severity!r}")
-    return SEVERITIES.index(severity)
+    return severity
+
+
+def severity_rank(severity: str) -> int:
+    """0 for warning, 1 for critical (for --fail-on comparisons)."""
+    return SEVERITIES.index(severity_name(severity))
 
 
 @dataclass(frozen=True)
@@ -54,6 +79,20 @@ class Alert:
     baseline: float | None
     message: str
     """One line a person reads: what happened, against what, and what to look at."""
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Alert:
+        """An alerts.jsonl line back as an alert (null value or baseline: not finite / none);
+        a line that is not one is a ValueError naming what it lacks."""
+        try:
+            value = d["value"]
+            return cls(step=int(d["step"]), signal=str(d["signal"]),
+                       severity=severity_name(d["severity"]),
+                       value=float("nan") if value is None else float(value),
+                       baseline=None if d["baseline"] is None else float(d["baseline"]),
+                       message=str(d["message"]))
+        except KeyError as exc:
+            raise ValueError(f"alert record {d!r:.80} has no {exc.args[0]!r}") from None
 
     def to_json(self) -> dict:
         def clean(x):

@@ -13,13 +13,14 @@ sink's `emit` returns quickly: none blocks the training loop on the network.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
 
 from mismatch.probes.monitor.signals import Alert, Sink, alert_json
 
-__all__ = ["JsonlSink", "TerminalSink", "open_sinks"]
+__all__ = ["JsonlSink", "TerminalSink", "open_sinks", "read_alerts"]
 
 
 def _fmt(x: float | None) -> str:
@@ -77,6 +78,22 @@ class TerminalSink:
 
 # ------------------------------------------------------------------------------------
 # JSON lines
+
+
+def read_alerts(path: str | os.PathLike) -> list[Alert]:
+    """The alerts a `JsonlSink` wrote to `path`, in order (none if there is no file). A torn
+    line (a crash mid-write; the sink starts the next alert on a new line) is left out."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out.append(Alert.from_json(obj))
+    return out
 
 
 class JsonlSink:

@@ -56,7 +56,9 @@ from typing import Any, Iterable, Mapping, Sequence
 from mismatch.probes.monitor.endings import episode_summary
 from mismatch.probes.monitor.rules import (CRITICAL, NORMAL, WARNING, MonitorConfig, SignalRule,
                                            judge)
-from mismatch.probes.monitor.signals import SIGNALS, Alert, Sink, as_number
+from mismatch.probes.monitor.signals import (SIGNALS, STALENESS_FIELDS, Alert, Sink, as_number,
+                                             native_record)
+from mismatch.step_record import StepRecord
 
 __all__ = ["CollapseMonitor"]
 
@@ -126,8 +128,11 @@ class CollapseMonitor:
 
     # -- the public surface -------------------------------------------------------------------
 
-    def update(self, record: Mapping[str, Any]) -> list[Alert]:
-        """Feed one training step's record; returns the alerts it raised (also sent to sinks)."""
+    def update(self, record: Mapping[str, Any] | StepRecord) -> list[Alert]:
+        """Feed one training step's record — a native record (a mapping) or a `mismatch train`
+        step's `StepRecord` —; returns the alerts it raised (also sent to sinks)."""
+        if isinstance(record, StepRecord):
+            record = native_record(record)
         step = self._step_of(record)
         self.counts["records"] += 1
         values = self.read(record)
@@ -296,7 +301,7 @@ class CollapseMonitor:
 
 def _same_weights(record: Mapping[str, Any]) -> bool:
     """Whether the record says its episodes were sampled at the weights it trains (staleness 0)."""
-    for key in ("staleness_max", "staleness_mean"):
+    for key in STALENESS_FIELDS:
         if key in record:
             return as_number(record[key]) == 0
     return False

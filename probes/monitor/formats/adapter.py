@@ -27,7 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from mismatch.probes.monitor.signals import SIGNALS
+from mismatch.probes.monitor.signals import SIGNALS, STALENESS_FIELDS, native_record
+from mismatch.step_record import StepRecord
 
 __all__ = ["Adapter", "parse_map", "glob_matches"]
 
@@ -54,6 +55,11 @@ class Adapter:
     without entropy): a 0.0 there is no observation; the next candidate is tried."""
     description: str = ""
     """What the lines look like, in a few words."""
+    step_records: bool = False
+    """The native format: a line that reads as a `mismatch train` step
+    (`StepRecord.from_json`) is read through that record (`signals.native_record`); any other
+    line (another tool's, or a user's, with some of the native fields) field by field. A `--map`
+    override turns this off: the fields it names are read as given."""
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.fields if s not in SIGNALS]
@@ -69,7 +75,7 @@ class Adapter:
                 step = (name,)
             else:
                 fields[signal] = (name,)
-        return replace(self, fields=fields, step=step)
+        return replace(self, fields=fields, step=step, step_records=False)
 
     def flatten(self, line: Mapping[str, Any]) -> Mapping[str, Any]:
         """The line with its envelope's dict merged in."""
@@ -94,6 +100,11 @@ class Adapter:
         if self.event_type is not None and line.get("type", self.event_type) != self.event_type:
             return None
         flat = self.flatten(line)
+        if self.step_records:
+            try:
+                return native_record(StepRecord.from_json(flat))
+            except ValueError:  # not a whole step record: field by field
+                pass
         notes = notes if notes is not None else Counter()
         out: dict[str, Any] = {"step": _first(flat, self.step)}
         if self.train_step:
@@ -112,8 +123,7 @@ class Adapter:
                     notes["kl_squared" if signal == "kl" else "squared"] += 1
                 out[signal] = value
                 break
-        for passed in ("episodes", "staleness_max", "staleness_mean"):
-            # staleness: a first record at staleness 0 is the probe of the KL's floor (state.py)
+        for passed in ("episodes", *STALENESS_FIELDS):
             if passed in flat:
                 out[passed] = flat[passed]
         return out

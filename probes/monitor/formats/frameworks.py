@@ -34,6 +34,7 @@ ADAPTERS: dict[str, Adapter] = {a.name: a for a in (
     Adapter(
         name="native",
         fields={s: (s,) for s in SIGNALS},
+        step_records=True,
         description="this project's field names (mismatch.probes.monitor.SIGNALS), `step`, "
                     "`episodes`",
     ),
