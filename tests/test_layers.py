@@ -103,6 +103,77 @@ def test_layers_point_one_way():
     assert not upward, "imports from a layer above:\n" + "\n".join(upward)
 
 
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the project's modules it imports (every import: lazy ones inside functions and
+    `TYPE_CHECKING` ones included; `from pkg import sub` is an edge to `pkg.sub` where `sub` is
+    a module, else to `pkg`)."""
+    graph: dict[str, set[str]] = {}
+    for path in _sources():
+        module = _module(path)
+        edges = graph.setdefault(module, set())
+        for _line, name, attr in _imported_names(path):
+            if name.split(".")[0] != "mismatch":
+                continue
+            target = f"{name}.{attr}" if attr and _in_tree(f"{name}.{attr}") else name
+            if target != module and _in_tree(target):
+                edges.add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    """No module imports, even lazily or for type checking only, a module that imports it back
+    (a circle is a concept split across files: move the code to where it belongs)."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
 def test_no_top_level_names_but_mismatch():
     """No module of the project imports `train`, `probes` or `quantize` as a top-level package
     (they install as mismatch.train, mismatch.probes, mismatch.quantize)."""

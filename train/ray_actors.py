@@ -140,11 +140,11 @@ class _Publisher(_Process):
         return write_version(self.weights_dir, weights, self.keep) if self.weights_dir \
             else weights
 
-    def _checkpoint(self, out: str, step: int, trainer, next_unit: int, cfg: TrainConfig,
+    def _checkpoint(self, out: str, step: int, state: dict, next_unit: int, cfg: TrainConfig,
                     older: dict[int, list]) -> str:
         ray = ray_module()
         held = {v: read_version(ray.get(box[0])) for v, box in older.items()}
-        return str(save_checkpoint(Path(out), step, trainer, next_unit, cfg, held))
+        return str(save_checkpoint(Path(out), step, state, next_unit, cfg, held))
 
 
 class TrainerActor(_Publisher):
@@ -155,7 +155,7 @@ class TrainerActor(_Publisher):
         self.trainer = Trainer(model, cfg)
         self.weights_dir, self.keep = weights_dir, keep
 
-    def step(self, batch) -> dict[str, Any]:
+    def step(self, batch):
         # the run's (Trainer.step may raise them)
         with torch_threads(self.trainer.cfg.pipeline.threads):
             return self.trainer.step(batch)
@@ -167,7 +167,8 @@ class TrainerActor(_Publisher):
         self.trainer.load(state)
 
     def save(self, out: str, step: int, next_unit: int, older: dict[int, list]) -> str:
-        return self._checkpoint(out, step, self.trainer, next_unit, self.trainer.cfg, older)
+        return self._checkpoint(out, step, self.trainer.state(), next_unit, self.trainer.cfg,
+                                older)
 
 
 class ShardedTrainerActor(_Publisher):
@@ -251,7 +252,7 @@ class RemoteTrainer:
                                "resume the run with --resume from its newest checkpoint") \
                 from None
 
-    def step(self, batch) -> dict[str, Any]:
+    def step(self, batch):
         return self._all("step", ray_module().put(batch), what="a step")
 
     def published(self):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,9 +25,6 @@ from mismatch.io import atomic_directory, atomic_write_text, check_writable_dir
 
 from .components import CheckpointConfig
 from .config import FLAT_KEYS, TrainConfig
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 __all__ = ["CheckpointConfig", "run_masks_tokens", "latest_checkpoint", "save_checkpoint",
            "check_ranks", "read_metrics", "cut_jsonl", "check_resume", "check_out", "holds_run",
@@ -46,16 +43,15 @@ def latest_checkpoint(out: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(out: Path, step: int, trainer: Trainer | dict[str, Any], next_unit: int,
+def save_checkpoint(out: Path, step: int, state: dict[str, Any], next_unit: int,
                     cfg: TrainConfig, older: dict[int, dict[str, torch.Tensor]] | None = None
                     ) -> Path:
     """Write checkpoints/step-NNNNNN (temporary sibling, then renamed; the newest
     `cfg.checkpoint.keep_checkpoints` kept, every one when 0).
-    `trainer`: a Trainer, or the trainer state to save ({"master", "optimizer", ...})."""
+    `state`: the trainer's state to save (`Trainer.state()`: {"master", "optimizer", ...})."""
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    state = trainer if isinstance(trainer, dict) else trainer.state()
     with atomic_directory(final) as tmp:
         torch.save({"step": step, "next_unit": next_unit, "config": cfg.to_json(), **state,
                     "older_versions": older or {}},

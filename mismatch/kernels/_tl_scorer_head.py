@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .scorer_head import TAYLOR_SERIES_BELOW, HeadOutput
+from .head_output import TAYLOR_SERIES_BELOW, HeadOutput
 
 SERIES_BELOW = tl.constexpr(TAYLOR_SERIES_BELOW)
 

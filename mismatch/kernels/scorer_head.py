@@ -27,38 +27,16 @@ K candidates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from .head_output import TAYLOR_SERIES_BELOW, HeadOutput
 from .runtime import KernelError, use_triton
 
 __all__ = ["HeadOutput", "scorer_head", "scorer_head_torch", "scorer_head_triton", "q_delta",
            "g_log1p", "default_blocks"]
 
 _KL_MIN = 0.0  # a KL is >= 0; FP32 rounding of b − g(b − a) can dip below it by an ulp
-# |x| under which q(δ) and g(c) are evaluated as their Taylor series (to the 7th power: remainder
-# < 0.1⁸/8 relative to 0.1²/2, ~2.5e-7); above, the closed forms lose < 2e-6 relative to
-# cancellation.
-TAYLOR_SERIES_BELOW = 0.1
-
-
-@dataclass(frozen=True)
-class HeadOutput:
-    """What the scorer head returns (all on the input's device)."""
-
-    logprobs: torch.Tensor
-    """[N] float32, log π(label)."""
-    entropy: torch.Tensor
-    """[N] float32, −Σ_v π_v log π_v."""
-    top1: torch.Tensor
-    """[N] int64, argmax of the logits (first index on ties)."""
-    candidate_logprobs: torch.Tensor | None
-    """[N, K] float32, log π at the candidate ids (None without candidates)."""
-    kl_candidates: torch.Tensor | None
-    """[N] float32, KL(sampler ‖ trainer) over the candidate slots, both renormalized there
-    (None without the sampler's candidate log-probs)."""
 
 
 def q_delta(delta: torch.Tensor) -> torch.Tensor:
