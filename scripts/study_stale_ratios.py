@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-LOW, HIGH = 0.5, 5.0  # MIS's range (the IcePop range; NUMERICS.md §5)
+LOW, HIGH = 0.5, 5.0  # MIS's range (IcePop: Zhao et al., Ant Group 2025, https://ringtech.notion.site/icepop)
 
 
 def load(ckpt: Path, lag: int | None):

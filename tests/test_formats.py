@@ -94,7 +94,7 @@ def test_every_code_round_trips(name):
 def test_every_bf16_pattern_matches_torch_cast(fmt):
     x = _all_bf16()
     finite = ~torch.isnan(x)
-    # torch saturates E4M3 (2.13); NUMERICS.md §1: older torch gave NaN, so clamp as engines do.
+    # torch 2.13 saturates E4M3; older releases gave NaN on overflow, so clamp as engines do.
     src = x.clamp(-fmt.max_finite, fmt.max_finite) if fmt.overflow == "saturate" else x
     torch_codes = src.to(fmt.torch_dtype).view(torch.uint8)
     our_codes = encode_codes(x, fmt)
