@@ -41,7 +41,9 @@ def inner(versions: int) -> None:
     model, tok = load_model(dtype="bfloat16"), load_tokenizer()
     out = {}
     for preset in ("homogeneous", "mixed"):
-        cfg = TrainConfig(fleet=preset, samples_per_prompt=8, tasks="arith", eval_tasks=0)
+        # flat fields (TrainConfig.flat where a config is made of components' configs)
+        make = getattr(TrainConfig, "flat", TrainConfig)
+        cfg = make(fleet=preset, samples_per_prompt=8, tasks="arith", eval_tasks=0)
         groups = fleet(preset)
         units = list(range(8))
         per_unit = [groups[u % len(groups)] for u in units]
