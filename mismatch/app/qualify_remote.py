@@ -28,13 +28,14 @@ from mismatch.probes.errors import ProbeError
 from mismatch.zoo.prompts import eos_ids, load_prompts
 from mismatch.app.qualify import Launched, Policy, Throughput, Verdict, verdict_result
 from mismatch.remote.canary import run_canary
+from mismatch.remote.clients import LIVE_ENGINES
 from mismatch.remote.sglang_client import SglangClient
 from mismatch.remote.vllm_client import VllmClient
 from mismatch.runtime import default_threads, torch_threads
 
 __all__ = ["ENGINES", "qualify_remote", "qualify_launched", "launched_server"]
 
-ENGINES = {"vllm": VllmClient, "sglang": SglangClient}
+ENGINES = dict(zip(LIVE_ENGINES, (VllmClient, SglangClient), strict=True))
 _REQUESTS_PER_ROUND = 64  # prompts sent per generate() call: progress, and bounded memory
 
 

@@ -11,6 +11,9 @@ import typer
 
 from mismatch.cli.common import choice_list, fail, quiet_libraries, run_with_bars
 from mismatch.profiles import DTYPES, GPUS, KV_CACHES
+from mismatch.remote.clients import LIVE_ENGINES
+
+_ENGINE = "|".join(LIVE_ENGINES)  # as error messages spell the choice
 
 if TYPE_CHECKING:
     from mismatch.app.qualify import Verdict
@@ -31,10 +34,10 @@ def qualify_command(
                                        "(default: the shipped policies/default.toml)."),
     sampler: str | None = typer.Option(None, "--sampler", help="URL of a live inference "
                                        "server to qualify instead of an emulated one."),
-    engine: str | None = typer.Option(None, "--engine", help="The live server's engine: vllm "
-                                      "or sglang."),
-    launch: str | None = typer.Option(None, "--launch", help="Start this engine (vllm or "
-                                      "sglang) on 127.0.0.1 serving --model, qualify it, stop "
+    engine: str | None = typer.Option(None, "--engine", help="The live server's engine: "
+                                      f"{choice_list(LIVE_ENGINES)}."),
+    launch: str | None = typer.Option(None, "--launch", help="Start this engine "
+                                      f"({choice_list(LIVE_ENGINES)}) on 127.0.0.1 serving --model, qualify it, stop "
                                       "it. Each engine runs from its own virtual environment "
                                       "(scripts/setup_vllm_cpu.sh, scripts/setup_sglang_cpu.sh; "
                                       "$MISMATCH_VLLM_VENV, $MISMATCH_SGLANG_VENV)."),
@@ -78,7 +81,7 @@ def _emulated(gpu, dtype, kv_cache, pol, out, force, as_json, common, **sizes):
     """(output folder, verdict) of an emulated sampler."""
     if gpu is None or dtype is None:
         raise ValueError("pass --gpu and --dtype for an emulated sampler, --sampler URL "
-                         "--engine vllm|sglang for a live one, or --launch vllm|sglang to "
+                         f"--engine {_ENGINE} for a live one, or --launch {_ENGINE} to "
                          "start one")
     from mismatch.app.probe import ProbeConfig
     from mismatch.app.qualify import qualify_emulated
@@ -143,10 +146,10 @@ def _check_live(sampler: str | None, engine: str | None, launch: str | None) -> 
     if launch is None:
         return
     if sampler is not None:
-        raise ValueError("pass --sampler URL (a server you started) or --launch vllm|sglang "
+        raise ValueError(f"pass --sampler URL (a server you started) or --launch {_ENGINE} "
                          "(qualify starts one), not both")
-    if launch.lower() not in ("vllm", "sglang"):
-        raise ValueError(f"--launch must be vllm or sglang, got {launch!r}")
+    if launch.lower() not in LIVE_ENGINES:
+        raise ValueError(f"--launch must be {choice_list(LIVE_ENGINES)}, got {launch!r}")
     if engine is not None and engine.lower() != launch.lower():
         raise ValueError(f"--engine {engine} and --launch {launch} disagree; --launch alone "
                          f"names the engine")
