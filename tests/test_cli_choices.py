@@ -23,7 +23,7 @@ TORCH_FREE = (
     "mismatch.probes", "mismatch.engines.te",
     "mismatch.study.cells", "mismatch.zoo.tasks", "mismatch.probes.monitor.signals",
     "mismatch.probes.monitor.formats", "mismatch.plan.spec", "mismatch.probes.config",
-    "mismatch.remote.clients", "mismatch.step_record", "mismatch.cli",
+    "mismatch.remote.engines", "mismatch.step_record", "mismatch.cli",
 )
 """The config and registry modules (and the command line, which reads them)."""
 

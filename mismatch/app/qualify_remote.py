@@ -28,7 +28,7 @@ from mismatch.probes.errors import ProbeError
 from mismatch.zoo.prompts import eos_ids, load_prompts
 from mismatch.app.qualify import Launched, Policy, Throughput, Verdict, verdict_result
 from mismatch.remote.canary import run_canary
-from mismatch.remote.clients import LIVE_ENGINES
+from mismatch.remote.engines import LIVE_ENGINES
 from mismatch.remote.sglang_client import SglangClient
 from mismatch.remote.vllm_client import VllmClient
 from mismatch.runtime import default_threads, torch_threads

@@ -11,7 +11,7 @@ import typer
 
 from mismatch.cli.common import choice_list, fail, quiet_libraries, run_with_bars
 from mismatch.profiles import DTYPES, GPUS, KV_CACHES
-from mismatch.remote.clients import LIVE_ENGINES
+from mismatch.remote.engines import LIVE_ENGINES
 
 _ENGINE = "|".join(LIVE_ENGINES)  # as error messages spell the choice
 

@@ -5,12 +5,27 @@
     client.generate(prompts, ...) → a Rollout laid out as the emulated sampler's (mode "measured")
     run_canary(client, tokenizer) the checks every remote run starts with
     RemoteError                   every failure: one line, what happened and what to do
+    LIVE_ENGINES                  the engines' names (engines.py, no imports)
 """
 
-from .canary import CANARY_TEXT, run_canary
-from .clients import RemoteError, SamplerClient, ServerTokens
-from .sglang_client import SglangClient
-from .vllm_client import VllmClient
+from __future__ import annotations
 
-__all__ = ["CANARY_TEXT", "RemoteError", "SamplerClient", "ServerTokens", "SglangClient",
-           "VllmClient", "run_canary"]
+import importlib
+from typing import Any
+
+from .engines import LIVE_ENGINES
+
+# each name from its module, loaded on first use: the command line reads LIVE_ENGINES without
+# the clients' network stack
+_EXPORTS = {"CANARY_TEXT": "canary", "run_canary": "canary", "RemoteError": "clients",
+            "SamplerClient": "clients", "ServerTokens": "clients",
+            "SglangClient": "sglang_client", "VllmClient": "vllm_client"}
+
+__all__ = ["CANARY_TEXT", "LIVE_ENGINES", "RemoteError", "SamplerClient", "ServerTokens",
+           "SglangClient", "VllmClient", "run_canary"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -32,13 +32,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["LIVE_ENGINES", "ParsedCompletion", "RemoteError", "SamplerClient", "ServerTokens",
-           "ranked_candidates", "required_field"]
-
-LIVE_ENGINES = ("vllm", "sglang")
-"""The inference servers this project has a client for (vllm_client.py, sglang_client.py), by
-the names `qualify --engine/--launch` take; the registry of clients
-(app.qualify_remote.ENGINES) is keyed by them."""
+__all__ = ["ParsedCompletion", "RemoteError", "SamplerClient", "ServerTokens", "ranked_candidates",
+           "required_field"]
 
 
 class RemoteError(ValueError):
