@@ -98,11 +98,11 @@ class Plan:
     @property
     def kl(self) -> float:
         """Token-weighted KL of the fleet."""
-        return sum(p.share * p.group.kl for p in self.parts)
+        return _weighted([p.share for p in self.parts], [p.group.kl for p in self.parts])
 
     @property
     def masked(self) -> float:
-        return sum(p.share * p.group.masked for p in self.parts)
+        return _weighted([p.share for p in self.parts], [p.group.masked for p in self.parts])
 
     @property
     def gpus(self) -> float:
@@ -181,13 +181,22 @@ def _reserved_n(p, r, n, k, q, U, R, B, Bm, tighten=0.0):
     return np.round(res.x)
 
 
+def _weighted(shares, values) -> float:
+    """Σ share × value in float64, in group order: the plan's KL and masked share, computed the
+    one way both the plan reports them and `_meets` checks them against the budgets (a dot
+    product in another order can round one unit in the last place the other way)."""
+    return sum(float(s) * float(v) for s, v in zip(shares, values))
+
+
 def _meets(x_or_rate, k, q, B, Bm) -> bool:
-    """Token-weighted budgets met in float64 by tokens (or rates) per group."""
+    """Token-weighted budgets met in float64 by tokens (or rates) per group, as the plan will
+    report them (its shares are x / Σx)."""
     tot = x_or_rate.sum()
     if tot <= 0:
         return False
-    ok = B is None or float(x_or_rate @ k) <= B * tot
-    return ok and (Bm is None or float(x_or_rate @ q) <= Bm * tot)
+    share = x_or_rate / tot
+    ok = B is None or _weighted(share, k) <= B
+    return ok and (Bm is None or _weighted(share, q) <= Bm)
 
 
 def _solve_arrays(billing, p, r, n, k, q, U, R, B, Bm):
