@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-LOW, HIGH = 0.5, 5.0  # MIS's range (IcePop: Zhao et al., Ant Group 2025, https://ringtech.notion.site/icepop)
+# MIS's range (IcePop: Zhao et al., Ant Group 2025, https://ringtech.notion.site/icepop)
+LOW, HIGH = 0.5, 5.0
 
 
 def load(ckpt: Path, lag: int | None):

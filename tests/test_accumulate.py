@@ -60,9 +60,9 @@ def test_truncation_rounds_toward_zero():
 
 
 def test_error_ordering_at_k4096():
-    """No promotion > promotion every 128 > FP32 accumulator (DeepSeek-V3 technical
-    report, arXiv:2412.19437, §3.3.2: ~14-bit accumulation gives a maximum relative error of nearly 2% at K = 4096 on H800; this
-    model's errors at K = 4096 are asserted below)."""
+    """No promotion > promotion every 128 > FP32 accumulator (DeepSeek-V3 technical report,
+    arXiv:2412.19437, §3.3.2: ~14-bit accumulation gives a maximum relative error of nearly 2%
+    at K = 4096 on H800; this model's errors at K = 4096 are asserted below)."""
     g = torch.Generator().manual_seed(1)
     a = fake_quant(torch.randn(16, 4096, generator=g), "fp8-act")
     b = fake_quant(torch.randn(4096, 16, generator=g), "fp8-channel")

@@ -125,7 +125,8 @@ def test_fp8_granularities_match_plain_reference():
 
 def test_fp8_division_order_matters():
     """The per-tensor BF16-division order (modelopt) and FP32 division differ on real data —
-    the reason the codec table names the order (the share of codes that differ is asserted below)."""
+    the reason the codec table names the order (the share of codes that differ is asserted
+    below)."""
     x = _rand((512, 512), seed=4)
     s = x.float().abs().max() / 448.0
     bf16_div = (x / s).to(torch.float8_e4m3fn).view(torch.uint8)

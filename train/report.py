@@ -63,7 +63,8 @@ def load_run(path: Path) -> RunLog:
                          "directory?")
     cfg = _json(path / "config.json")
     return RunLog(path=path, steps=steps, heldout=HeldOut.from_json(_json(path / "eval.json")),
-                  alerts=read_alerts(path / "alerts.jsonl"), label=f"{cfg.get('correction', path.name)} ({path.name})")
+                  alerts=read_alerts(path / "alerts.jsonl"),
+                  label=f"{cfg.get('correction', path.name)} ({path.name})")
 
 
 def _json(path: Path) -> dict[str, Any]:

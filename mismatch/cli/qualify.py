@@ -37,7 +37,8 @@ def qualify_command(
     engine: str | None = typer.Option(None, "--engine", help="The live server's engine: "
                                       f"{choice_list(LIVE_ENGINES)}."),
     launch: str | None = typer.Option(None, "--launch", help="Start this engine "
-                                      f"({choice_list(LIVE_ENGINES)}) on 127.0.0.1 serving --model, qualify it, stop "
+                                      f"({choice_list(LIVE_ENGINES)}) on 127.0.0.1 serving "
+                                      "--model, qualify it, stop "
                                       "it. Each engine runs from its own virtual environment "
                                       "(scripts/setup_vllm_cpu.sh, scripts/setup_sglang_cpu.sh; "
                                       "$MISMATCH_VLLM_VENV, $MISMATCH_SGLANG_VENV)."),
