@@ -108,8 +108,7 @@ class StepRecord:
         """A metrics.jsonl object back as a record. Logs written before `nonfinite_tokens` and
         `group_tokens` existed read with None there (not logged, not zero); any other missing
         key, or one this record does not have, is a ValueError naming it."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
+        unknown = sorted(set(d) - _FIELD_NAMES)
         if unknown:
             raise ValueError(f"metrics record of step {d.get('step')}: unknown keys {unknown}")
         values = {**dict.fromkeys(_ADDED_LATER), **d}
@@ -127,6 +126,10 @@ class StepRecord:
                 continue
             out[f.name] = value
         return out
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(StepRecord))
+"""The schema's keys, for `from_json` (it runs on every line of every log read)."""
 
 
 def read_steps(path: Path) -> list[StepRecord]:

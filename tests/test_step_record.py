@@ -95,6 +95,9 @@ def test_alerts_read_back_as_written(tmp_path):
                          "baseline": None})
     with pytest.raises(ValueError, match="severity must be one of"):
         Alert.from_json({**alerts[0].to_json(), "severity": "bad"})
+    path.write_text('{"step": 1, "signal": "kl"}\n')  # JSON, but not an alert: named
+    with pytest.raises(ValueError, match=r"alerts.jsonl: .*no 'value'.*damaged"):
+        read_alerts(path)
 
 
 def test_read_steps_names_a_damaged_line(tmp_path):

@@ -31,15 +31,10 @@ it trains, so its KL is the probe of the KL's floor (state.py)."""
 
 def native_record(record: StepRecord) -> dict[str, Any]:
     """A `mismatch train` step's record as the monitor reads it: its step, every signal and the
-    staleness fields, by attribute (a field renamed in the schema breaks here, not silently in
+    staleness fields, read by attribute (a signal the schema renames fails here, not silently in
     the monitor). Older logs' `nonfinite_tokens` is None: not observed."""
-    return {"step": record.step, "kl": record.kl,
-            "format_error_rate": record.format_error_rate, "reward": record.reward,
-            "sc_tail_ratio": record.sc_tail_ratio,
-            "mis_masked_fraction": record.mis_masked_fraction, "entropy": record.entropy,
-            "response_length": record.response_length,
-            "nonfinite_tokens": record.nonfinite_tokens,
-            "staleness_max": record.staleness_max, "staleness_mean": record.staleness_mean}
+    return {name: getattr(record, name) for name in ("step", *SIGNALS, *STALENESS_FIELDS)}
+
 
 Severity = Literal["warning", "critical"]
 

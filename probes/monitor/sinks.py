@@ -92,7 +92,10 @@ def read_alerts(path: str | os.PathLike) -> list[Alert]:
             obj = json.loads(line)
         except json.JSONDecodeError:
             continue
-        out.append(Alert.from_json(obj))
+        try:
+            out.append(Alert.from_json(obj))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}; the run directory is damaged") from None
     return out
 
 
