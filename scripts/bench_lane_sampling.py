@@ -33,6 +33,11 @@ def inner(versions: int) -> None:
     import torch
 
     torch.set_num_threads(1)
+    try:  # as a sampler worker process runs (trees that have it)
+        from mismatch.runtime import tune_allocator
+        tune_allocator()
+    except ImportError:
+        pass
     from mismatch.train.config import TrainConfig
     from mismatch.train.fleet import fleet
     from mismatch.train.unit_sampling import sample_units

@@ -269,3 +269,30 @@ def test_candidates_and_nucleus_break_ties_by_token_id():
         assert n == 2  # 3 tied tokens hold ~1/3 each: the first two reach p = 0.5
     kept = torch.isfinite(process_logits(logits, SamplingParams(top_k=4))).sum(-1)
     assert kept.tolist() == [4, 4, 4]  # exactly k, ties at the boundary to the lowest ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_ranked_topk_selects_as_torch_topk_does(dtype):
+    """The k-th largest value found by numpy's selection (FP32/FP64 rows without NaN) or torch's
+    topk (anything else) gives the same ranking: against a plain sort by (value descending, id
+    ascending), on rows with ties, −inf (tokens outside a nucleus) and ±0; the k-th value of a
+    row with NaN is torch's."""
+    from mismatch.engines import logits as lg
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 200, generator=g).round(decimals=1).to(dtype)  # many ties
+    x[1, 50:] = float("-inf")
+    x[2, :10] = 0.0
+    x[2, 10:20] = -0.0
+    for k in (1, 16, 150, 200):
+        vals, ids = lg.ranked_topk(x, k)
+        for row in range(6):
+            key = [(-v, t) for t, v in enumerate(x[row].tolist())]
+            want = [t for _, t in sorted(key)][:k]
+            assert ids[row].tolist() == want, (k, row)
+            assert torch.equal(vals[row].view(torch.uint8), x[row, want].view(torch.uint8))
+        assert torch.equal(lg._kth_largest(x, k), x.topk(k, dim=-1).values[:, -1:])
+    x[4, [3, 77]] = float("nan")  # NaN: the largest for both; numpy is not asked
+    assert torch.equal(lg._kth_largest(x, 16)[[0, 1, 2, 3, 5]],
+                       x.topk(16, dim=-1).values[[0, 1, 2, 3, 5], -1:])
+    assert lg._kth_largest(x, 1)[4].isnan()
