@@ -65,6 +65,71 @@ def test_tiled_attention_matches_float64_reference(tq, tk):
     assert torch.allclose(bf.double(), ref, atol=3e-2, rtol=3e-2)
 
 
+def _online_softmax_written_out(q, k, v, allowed, scale, family):
+    """tiled_attention as its docstring states it, every step from the empty state (m = −inf,
+    l = 0, o = 0) and the split merge from zeros: the bits `tiled_attention` must give."""
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    decode = tq == 1
+    tile = family.decode_tile_k if decode else family.tile_k
+    tk = k.shape[2]
+    per = max(tile, math.ceil(tk / (family.decode_splits if decode else 1) / tile) * tile)
+    qf, kf, vf = q.float().reshape(b, hkv, g * tq, d), k.float(), v.float()
+    allowed = allowed.expand(allowed.shape[0], 1, tq, tk).repeat(1, 1, g, 1)
+    parts = []
+    for s0 in range(0, tk, per):
+        m = torch.full((b, hkv, g * tq), -math.inf)
+        l, o = torch.zeros_like(m), torch.zeros(b, hkv, g * tq, d)
+        for k0 in range(s0, min(tk, s0 + per), tile):
+            k1 = min(k0 + tile, s0 + per)
+            s = torch.matmul(qf, kf[:, :, k0:k1].transpose(-1, -2)) * scale
+            s = s.masked_fill(~allowed[..., k0:k1], -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf),
+                                          m - m_safe))
+            l = l * alpha + p.sum(-1)
+            if family.p_in_input_dtype:
+                p = p.to(v.dtype).float()
+            o = o * alpha[..., None] + torch.matmul(p, vf[:, :, k0:k1])
+            m = m_new
+        parts.append((m, l, o))
+    if len(parts) == 1:
+        m, l, o = parts[0]
+    else:
+        m = torch.stack([x[0] for x in parts]).amax(0)
+        m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        l, o = torch.zeros_like(m), torch.zeros_like(parts[0][2])
+        for pm, pl, po in parts:
+            w = torch.exp(torch.where(torch.isinf(pm), torch.full_like(pm, -math.inf), pm - m_safe))
+            l = l + pl * w
+            o = o + po * w[..., None]
+    out = o / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return out.reshape(b, h, tq, -1).to(q.dtype)
+
+
+@pytest.mark.parametrize("family", ["fa2", "fa3", "flashinfer", "trtllm", "fp32-p"])
+def test_tiled_attention_is_the_online_softmax_bit_for_bit(family):
+    """The kernel skips the rescaling of the empty state (it multiplies zeros) and merges split
+    partials without zero tensors; the bits are those of the online softmax written out: decode
+    with one and several tiles per split, ragged last tiles, prefill, a fully masked row."""
+    fam = KERNEL_FAMILIES.get(family) or KernelFamily(
+        name="t", tile_k=48, decode_tile_k=32, decode_splits=3, p_in_input_dtype=False)
+    g = torch.Generator().manual_seed(len(family))
+    for tq, tk in [(1, 1), (1, 70), (1, 300), (1, 900), (1, 1500), (9, 9), (6, 260)]:
+        q = torch.randn(5, 4, tq, 32, generator=g).bfloat16()
+        k, v = (torch.randn(5, 2, tk, 32, generator=g).bfloat16() for _ in range(2))
+        allowed = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)[None, None].repeat(5, 1, 1, 1)
+        allowed[1, ..., :min(tk, 7)] = False  # left padding
+        allowed[3] = False  # a row with no key (its values negative: P·V of zeros is ±0)
+        v[3] = -v[3].abs()
+        got = tiled_attention(q, k, v, allowed, 0.17, fam)
+        want = _online_softmax_written_out(q, k, v, allowed, 0.17, fam)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (tq, tk)
+
+
 def test_quantize_kv_is_an_fp8_round_trip():
     x = torch.tensor([0.1, -3.3, 500.0, 1e-4]).bfloat16()
     ref = x.float().clamp(-448, 448).to(torch.float8_e4m3fn).float().bfloat16()

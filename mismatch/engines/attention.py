@@ -81,23 +81,35 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.T
              scale: float, family: KernelFamily, tile_k: int, v_dtype: torch.dtype):
     """Online softmax over key tiles. q: [B, H, M, D] FP32, k/v: [B, H, Tk, D] FP32 (v holding
     values of `v_dtype`), allowed: [B, 1|H, M, Tk] bool → (m [B,H,M], l [B,H,M], o [B,H,M,D])
-    unnormalized, FP32."""
-    b, h, tq, d = q.shape
-    m = torch.full((b, h, tq), -math.inf, dtype=torch.float32, device=q.device)
-    l = torch.zeros((b, h, tq), dtype=torch.float32, device=q.device)
-    o = torch.zeros((b, h, tq, v.shape[-1]), dtype=torch.float32, device=q.device)
+    unnormalized, FP32. The first tile starts from the empty state, whose rescaling only
+    multiplies zeros: it is skipped (a decode split is usually one tile), the bits unchanged
+    (tests/test_engines.py writes the online softmax out in full)."""
+    m = l = o = None  # the empty state: m = −inf, l = 0, o = 0
     for k0 in range(0, k.shape[2], tile_k):
         s = torch.matmul(q, k[:, :, k0:k0 + tile_k].transpose(-1, -2)) * scale  # (B,H,M,tile)
         s = s.masked_fill(~allowed[..., k0:k0 + tile_k], -math.inf)
-        m_new = torch.maximum(m, s.amax(-1))
+        m_new = s.amax(-1) if m is None else torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - m_safe[..., None])
-        alpha = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf), m - m_safe))
-        l = l * alpha + p.sum(-1)
         if family.p_in_input_dtype:
-            p = p.to(v_dtype).float()  # rounded before P·V, products then exact in FP32
-        o = o * alpha[..., None] + torch.matmul(p, v[:, :, k0:k0 + tile_k])
+            pv = p.to(v_dtype).float()  # rounded before P·V, products then exact in FP32
+        else:
+            pv = p
+        pv = torch.matmul(pv, v[:, :, k0:k0 + tile_k])
+        if m is None:  # from the empty state the rescaling multiplies zeros: l = 0·0 + Σp,
+            l = p.sum(-1)  # o = 0·0 + P·V (the + 0 turns a −0 into +0, as that sum does)
+            o = pv.add_(0.0)
+        else:
+            alpha = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf),
+                                          m - m_safe))
+            l = l * alpha + p.sum(-1)
+            o = o * alpha[..., None] + pv
         m = m_new
+    if m is None:  # no keys at all
+        b, h, tq, _ = q.shape
+        m = torch.full((b, h, tq), -math.inf, dtype=torch.float32, device=q.device)
+        l = torch.zeros((b, h, tq), dtype=torch.float32, device=q.device)
+        o = torch.zeros((b, h, tq, v.shape[-1]), dtype=torch.float32, device=q.device)
     return m, l, o
 
 
@@ -135,11 +147,10 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:  # merge the split-KV partials in FP32, as the flash-decoding combine kernel does
         m = torch.stack([p[0] for p in parts]).amax(0)
         m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        l = torch.zeros_like(m)
-        o = torch.zeros_like(parts[0][2])
+        l = o = None  # from zeros: the first part's l·w (never −0) and o·w + 0
         for pm, pl, po in parts:
             w = torch.exp(torch.where(torch.isinf(pm), torch.full_like(pm, -math.inf), pm - m_safe))
-            l = l + pl * w
-            o = o + po * w[..., None]
+            l = pl * w if l is None else l + pl * w
+            o = (po * w[..., None]).add_(0.0) if o is None else o + po * w[..., None]
     out = o / l.clamp_min(_MIN_SOFTMAX_SUM)[..., None]
     return out.reshape(b, h, tq, -1).to(q.dtype)
