@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -361,3 +362,29 @@ def test_ranked_topk_selects_as_torch_topk_does(dtype):
     assert torch.equal(lg._kth_largest(x, 16)[[0, 1, 2, 3, 5]],
                        x.topk(16, dim=-1).values[[0, 1, 2, 3, 5], -1:])
     assert lg._kth_largest(x, 1)[4].isnan()
+
+
+def test_the_kv_cache_hands_tiled_attention_a_view_and_sdpa_a_copy(model):
+    """Tiled attention widens K and V to FP32 itself, so the cache gives it a view of its store
+    (no compact BF16 copy first); torch SDPA, any lane on it, or no block at all get a compact
+    copy as before. The values are the same either way."""
+    from mismatch.engines.hf_attention import emulated_attention, lane_attention, reads_widened
+    from mismatch.engines.kv_cache import SlotCache
+
+    fa3 = KERNEL_FAMILIES["fa3"]
+    cases = [(contextlib.nullcontext(), False),
+             (emulated_attention(model, None, False), False),
+             (emulated_attention(model, fa3, True), True),
+             (lane_attention(model, [(fa3, True), (KERNEL_FAMILIES["fa2"], False)]), True),
+             (lane_attention(model, [(fa3, True), (None, False)]), False)]
+    for block, widened in cases:
+        with block:
+            assert reads_widened() is widened
+            cache = SlotCache(1, 4, 2, 8, 16, torch.bfloat16, torch.device("cpu"))
+            cache.plan(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([3, 3]), 3, 3)
+            new = torch.randn(2, 2, 3, 8).bfloat16()
+            k, v = cache.update(new, new + 1, 0)
+            assert k.is_contiguous() is not widened
+            assert (k.data_ptr() == cache.keys[0][1:3, :, :3].data_ptr()) is widened
+            assert torch.equal(k, cache.keys[0][1:3, :, :3]) and k.shape == (2, 2, 3, 8)
+            assert torch.equal(v, cache.values[0][1:3, :, :3])

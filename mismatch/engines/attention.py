@@ -77,20 +77,20 @@ def quantize_kv(x: torch.Tensor, kv_scale: float = 1.0) -> torch.Tensor:
     return (y.float() * kv_scale).to(x.dtype)
 
 
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor,
              scale: float, family: KernelFamily, tile_k: int, v_dtype: torch.dtype):
     """Online softmax over key tiles. q: [B, H, M, D] FP32, k/v: [B, H, Tk, D] FP32 (v holding
-    values of `v_dtype`), allowed: [B, 1|H, M, Tk] bool → (m [B,H,M], l [B,H,M], o [B,H,M,D])
-    unnormalized, FP32. The first tile starts from the empty state, whose rescaling only
-    multiplies zeros: it is skipped (a decode split is usually one tile), the bits unchanged
-    (tests/test_engines.py writes the online softmax out in full)."""
+    values of `v_dtype`), blocked: [B, 1|H, M, Tk] bool, True where a query may not see a key
+    → (m [B,H,M], l [B,H,M], o [B,H,M,D]) unnormalized, FP32. The first tile starts from the
+    empty state, whose rescaling only multiplies zeros: it is skipped (a decode split is usually
+    one tile), the bits unchanged (tests/test_engines.py writes the online softmax out in full)."""
     m = l = o = None  # the empty state: m = −inf, l = 0, o = 0
     for k0 in range(0, k.shape[2], tile_k):
-        s = torch.matmul(q, k[:, :, k0:k0 + tile_k].transpose(-1, -2)) * scale  # (B,H,M,tile)
-        s = s.masked_fill(~allowed[..., k0:k0 + tile_k], -math.inf)
+        s = torch.matmul(q, k[:, :, k0:k0 + tile_k].transpose(-1, -2)).mul_(scale)  # (B,H,M,tile)
+        s.masked_fill_(blocked[..., k0:k0 + tile_k], -math.inf)
         m_new = s.amax(-1) if m is None else torch.maximum(m, s.amax(-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe[..., None])
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+        p = s.sub_(m_safe[..., None]).exp_()  # in place: s is not read again
         if family.p_in_input_dtype:
             pv = p.to(v_dtype).float()  # rounded before P·V, products then exact in FP32
         else:
@@ -139,8 +139,9 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         allowed = allowed.expand(allowed.shape[0], 1, tq, allowed.shape[-1])
         allowed = allowed.repeat(1, 1, g, 1)
     per = max(tile, math.ceil(tk / splits / tile) * tile)
+    blocked = ~allowed
     parts = [_partial(qf, kf[:, :, s0:s0 + per], vf[:, :, s0:s0 + per],
-                      allowed[..., s0:s0 + per], scale, family, tile, v.dtype)
+                      blocked[..., s0:s0 + per], scale, family, tile, v.dtype)
              for s0 in range(0, tk, per)]
     if len(parts) == 1:
         m, l, o = parts[0]

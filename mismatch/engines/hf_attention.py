@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .attention import KernelFamily, quantize_kv, tiled_attention
 from .lanes import rows_by_lane
 
-__all__ = ["ATTN_IMPL", "emulated_attention", "lane_attention", "eager_experts",
+__all__ = ["ATTN_IMPL", "emulated_attention", "lane_attention", "eager_experts", "reads_widened",
            "fp8_kv_cache", "kv_store_rounding", "mark_rounded"]
 
 ATTN_IMPL = "mismatch_emulated"
@@ -109,6 +109,19 @@ def kv_store_rounding() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] 
     if isinstance(top, _Lanes):
         return top.rounding
     return _round_all if top[1] else None
+
+
+def reads_widened() -> bool:
+    """Whether every row of this thread's active block attends with a tiled kernel family, which
+    widens the keys and values it is handed to FP32 (a fresh compact copy from any layout): a KV
+    cache may then hand attention a view of its store instead of a compact copy of its own."""
+    stack = _stack()
+    if not stack:
+        return False
+    top = stack[-1]
+    if isinstance(top, _Lanes):
+        return all(family is not None for family, _ in top.lanes)
+    return top[0] is not None
 
 
 def mark_rounded(*tensors: torch.Tensor) -> None:

@@ -11,7 +11,9 @@ Under an FP8 KV cache (hf_attention: the active block's `kv_store_rounding`) eac
 is rounded once as it is written, as a serving engine's FP8 cache stores it (under lanes, only
 the positions of rows whose lane has an FP8 cache), and what `update`
 returns is marked as rounded so that attention does not round the whole cache again. The block
-in force when the cache is made is the one it serves: an update under another raises.
+in force when the cache is made is the one it serves: an update under another raises. Where
+every row attends with a tiled kernel (which widens K and V to FP32 itself) and the batch's
+slots are contiguous, attention gets a view of the store, not a compact BF16 copy first.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .hf_attention import kv_store_rounding, mark_rounded
+from .hf_attention import kv_store_rounding, mark_rounded, reads_widened
 
 __all__ = ["SlotCache"]
 
@@ -81,14 +83,16 @@ class SlotCache(Cache):
         if rounding is not self._rounding:
             raise RuntimeError("this KV cache was made under another KV cache format than the "
                                "one active now; use one engine per apply_numerics block")
+        widened = reads_widened()  # tiled attention copies it to FP32 itself
         out = []
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             cache = store[layer_idx]
             written = new.transpose(1, 2)[b_idx, j_idx].to(cache.dtype)
             cache[slot_idx, :, pos_idx] = (written if rounding is None
                                             else rounding(written, b_idx))
-            if span is not None:  # one contiguous copy: attention kernels stream it many times
-                out.append(cache[span[0]:span[1], :, :tk].contiguous())
+            if span is not None:  # the batch's slots in a row: a view, or one compact copy
+                view = cache[span[0]:span[1], :, :tk]  # (attention streams it many times)
+                out.append(view if widened else view.contiguous())
             else:
                 out.append(cache[:, :, :tk].index_select(0, rows))
         if rounding is not None:
