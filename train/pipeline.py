@@ -29,7 +29,7 @@ from collections import defaultdict
 
 import torch
 
-from mismatch.engines.lanes import lanes_possible
+from mismatch.engines.lanes import attention_of, lanes_possible
 from mismatch.probes.base import TORCH_DTYPES
 
 from .batch import Unit
@@ -91,10 +91,9 @@ def _spread(batches: list[list], n: int) -> list[list]:
 
 
 def _attends_alike(group) -> tuple:
-    """Groups whose rows share one attention call in a lane batch: one kernel family and one
-    KV-cache format (hf_attention's lane parts)."""
+    """Groups whose rows share one attention call in a lane batch (lanes.attention_of)."""
     spec = getattr(group, "spec", None)
-    return (spec.attention, spec.kv_codec) if spec is not None else (group,)
+    return attention_of(spec) if spec is not None else (group,)
 
 
 def _halves(batch: list) -> list[list]:

@@ -14,7 +14,7 @@ import torch
 
 from .attention import KERNEL_FAMILIES
 from .hf_attention import lane_attention
-from .lanes import lanes_possible, rows_by_lane
+from .lanes import attention_of, lanes_possible, rows_by_lane
 from .moe import experts_forward, is_fused_experts
 from .numerics import _check_scales, _Emulator, apply_numerics
 from .head import head_numerics
@@ -159,8 +159,8 @@ def apply_lane_numerics(model: torch.nn.Module, lanes, *, kernels: bool = True):
             group_of[key] = len(emulators)
             emulators.append(_Emulator(build_table(model, spec), spec, scales or {}, None))
         group_of_lane.append(group_of[key])
-    attention = [(KERNEL_FAMILIES.get(s.attention) if kernels else None, s.kv_codec is not None)
-                 for s in specs]
+    attention = [(KERNEL_FAMILIES.get(family) if kernels else None, kv_fp8)
+                 for family, kv_fp8 in map(attention_of, specs)]
     with lane_attention(model, attention), _patched_lanes(model, emulators, _LaneGemms(group_of_lane)), \
             router_numerics(model, specs[0].router_dtype), \
             head_numerics(model, specs[0].lm_head):

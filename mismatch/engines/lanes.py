@@ -34,7 +34,7 @@ import torch
 
 from ..profiles import NumericsSpec
 
-__all__ = ["batch_lanes", "rows_by_lane", "lanes_possible"]
+__all__ = ["batch_lanes", "rows_by_lane", "lanes_possible", "attention_of"]
 
 _STATE = threading.local()  # .parts: this thread's current forward's [(lane, rows | None)]
 
@@ -67,3 +67,10 @@ def lanes_possible(specs: Sequence[NumericsSpec]) -> bool:
     dtype, its routers and its LM head in one precision each."""
     return all(len({getattr(s, f) for s in specs}) <= 1
                for f in ("compute_dtype", "router_dtype", "lm_head"))
+
+
+def attention_of(spec: NumericsSpec) -> tuple[str, bool]:
+    """What a lane's rows attend with: (kernel family name, FP8 KV cache). Lanes alike in it
+    share one attention call in a batch (hf_attention); a lockstep step keeps their units in one
+    sampler process (train.pipeline)."""
+    return spec.attention, spec.kv_codec is not None
