@@ -65,6 +65,7 @@ __all__ = [
     "round_to_format",
     "encode_codes",
     "threshold_codes",
+    "e2m1_round_",
     "sign_mask",
     "SignRule",
     "decode_codes",
@@ -214,6 +215,28 @@ def threshold_codes(ax: torch.Tensor, fmt: FloatFormat, ties: Ties = "even") -> 
     for mid, inclusive in _thresholds(fmt, ties):
         code += (ax >= mid) if inclusive else (ax > mid)
     return code
+
+
+_F32_EXPONENT = 0x7F800000
+_E2M1_MAGIC_MIN = (22 + 127) << 23  # float32 bits of 2^22 = 0.5 · 2^23: E2M1's quantum below 1
+
+
+def e2m1_round_(m: torch.Tensor) -> torch.Tensor:
+    """Round float32 magnitudes m [...] (contiguous, ≥ 0) in place to E2M1 values, nearest with
+    ties to even, saturating at 6: the values `threshold_codes(m, E2M1)` decodes to, without
+    codes, compares or a table.
+
+    E2M1's quantum u is 0.5 below 2 (0, 0.5, 1, 1.5), 1 in [2, 4) (2, 3), 2 in [4, 6] (4, 6).
+    Clamping to 6 first is saturation (every magnitude above 6 rounds to 6 or past it). Then
+    u = max(2^(e−1), 0.5) for m in [2^e, 2^(e+1)), c = u · 2^23 is built from m's exponent bits
+    by one integer add, and (m + c) − c rounds m to a multiple of u: m + c lies in [c, 2c), whose
+    float32 spacing is u, with ties to the even multiple k·u (c / u = 2^23 is even), and within
+    each range k and the E2M1 code have the same parity, so a tie goes to the even code. NaN stays NaN (threshold_codes has no NaN to take). Exact on every
+    float32 input: tests hold it to the code table around every midpoint."""
+    m.clamp_(max=E2M1_MAX)
+    c = (m.view(torch.int32) & _F32_EXPONENT).add_(22 << 23).clamp_(min=_E2M1_MAGIC_MIN)
+    c = c.view(torch.float32)
+    return m.add_(c).sub_(c)
 
 
 def _magnitude_codes_arith(ax: torch.Tensor, fmt: FloatFormat, ties: Ties) -> torch.Tensor:

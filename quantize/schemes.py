@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.nn.functional as F
 
 from .formats import (
     E2M1,
@@ -25,6 +26,7 @@ from .formats import (
     decode_codes,
     decode_packed,
     div_scalar,
+    e2m1_round_,
     e8m0_decode,
     e8m0_from_exponent,
     encode_codes,
@@ -240,19 +242,20 @@ def _fake_fp8_act(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return y.to(torch.float8_e4m3fn).float() * scale
 
 
-_E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
 def _fake_nvfp4_act(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """The values of `_encode_nvfp4_activation` then `_decode_nvfp4`, in their order of
+    operations: SF = E4M3(gs · (amax · fl(1/6))), elements |x| · 1/(SF · 1/gs) rounded to E2M1
+    (`e2m1_round_`) with x's sign, then · SF · input_scale. The block amax is a max pool (exact);
+    |x| is computed once and worked on in place."""
     xb = _blocks(x, 16).float()
+    m = xb.abs()
     gs = 1.0 / input_scale
-    sf = (gs * (xb.abs().amax(dim=-1) * (1.0 / E2M1_MAX))).clamp(max=E4M3_MAX)
+    amax = F.max_pool1d(m.reshape(1, -1, x.shape[-1]), 16).reshape(m.shape[:-1])
+    sf = (gs * (amax * (1.0 / E2M1_MAX))).clamp_(max=E4M3_MAX)
     sf = sf.to(torch.float8_e4m3fn).float()
-    out_scale = torch.where(sf != 0, 1.0 / (sf * (1.0 / gs)), torch.zeros_like(sf))
-    scaled = xb * out_scale.unsqueeze(-1)
-    idx = threshold_codes(scaled.abs(), E2M1).long()
-    values = torch.copysign(_E2M1_MAGNITUDES.to(x.device)[idx], scaled)
-    return (values * sf.unsqueeze(-1) * input_scale).reshape(x.shape)
+    out_scale = torch.where(sf != 0, 1.0 / (sf * (1.0 / gs)), 0.0)
+    q = e2m1_round_(m.mul_(out_scale.unsqueeze(-1))).copysign_(xb)
+    return q.mul_(sf.unsqueeze(-1)).mul_(input_scale).reshape(x.shape)
 
 
 FAKE_QUANT: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {

@@ -321,6 +321,26 @@ def test_direct_fake_quant_equals_decode_of_encode(codec, seed):
     assert torch.equal(fake_quant(big, codec, global_scale=scale), ref)
 
 
+def test_direct_nvfp4_activation_is_bit_identical_at_the_edges():
+    """fake_quant's nvfp4-act twin equals decode∘encode in every bit (the sign of zero too) on
+    blocks that meet each branch: a zero block, a -0.0 element, a block whose E4M3 scale rounds
+    to 0 (tiny values), blocks whose scale saturates at 448 (a small calibrated scale), an
+    infinite element (saturates to 6 · scale), and elements on E2M1 midpoints."""
+    x = _rand((64, 128), seed=7, dtype=torch.float32)
+    x[0, :16] = 0.0
+    x[1, 3] = -0.0
+    x[2, :16] = 1e-30
+    x[3, 16:32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25,
+                                -2.5, -3.5, -5.0, 6.0, -7.0, 0.0])
+    x[4, 5] = math.inf
+    x[5, 7] = -math.inf
+    for s in (torch.tensor(1.0 / 2688.0), torch.tensor(1e-6), torch.tensor(3.0)):
+        ref = decode(encode(x, "nvfp4-act", global_scale=s, validate=False), torch.float32)
+        got = fake_quant(x, "nvfp4-act", global_scale=s, validate=False)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), s
+    assert torch.signbit(got[1, 3]) and got[4, 5] > 0 and got[5, 7] < 0
+
+
 def test_precision_table_reads_its_codecs():
     """Each precision's block, scale format and activation-scale divisor are its codecs' own;
     a precision name registers once."""

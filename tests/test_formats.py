@@ -254,6 +254,44 @@ def test_decode_packed_matches_unpacked_lookup():
     assert torch.equal(decode_packed(every, E2M1), decode_codes(unpack_nibbles(every), E2M1))
 
 
+def _e2m1_reference(m: torch.Tensor) -> torch.Tensor:
+    """float64 reference: the nearest E2M1 magnitude, ties to the even code, saturating at 6."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    dist = (m.double().clamp(max=7.0).unsqueeze(-1) - grid).abs()  # above 5: 6
+    best = dist.min(dim=-1, keepdim=True).values
+    tied = dist == best  # one or two codes at the least distance
+    code = torch.where(tied[..., 1:] & tied[..., :-1], torch.arange(1, 8), -1)  # a tie's upper code
+    upper = code.max(dim=-1).values
+    first = tied.to(torch.int8).argmax(dim=-1)
+    pick = torch.where((upper >= 0) & (upper % 2 == 0), upper, first)
+    return grid[pick].float()
+
+
+def test_e2m1_round_matches_the_code_table_around_every_midpoint():
+    """The value-level E2M1 rounding (one integer add and one float add and subtract) equals a
+    float64 nearest-value reference and threshold_codes' decoded values, bit for bit, on every
+    finite non-negative BF16 value, on the float32 neighbours of every midpoint and E2M1 value,
+    on 2^20 random float32 magnitudes, on zero and subnormals, and on +inf (saturates to 6)."""
+    from mismatch.quantize.formats import e2m1_round_, threshold_codes
+
+    ax = _all_bf16().abs()
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0,
+                           6.0, 7.0, 8.0, 1e-45, 1e-38, 2.0 ** -126])
+    near, up, down = [points], points, points
+    for _ in range(3):  # up to three float32 steps either side
+        up = torch.nextafter(up, torch.tensor(math.inf))
+        down = torch.nextafter(down, torch.tensor(0.0))
+        near += [up, down]
+    g = torch.Generator().manual_seed(0)
+    rand = torch.rand(2**20, generator=g) * 9.0
+    m = torch.cat([ax[torch.isfinite(ax)], *near, rand, torch.tensor([0.0, 1e30, 3.4e38])])
+    got = e2m1_round_(m.clone())
+    assert _same_bits(got, _e2m1_reference(m))
+    assert _same_bits(got, decode_codes(threshold_codes(m, E2M1), E2M1))
+    assert e2m1_round_(torch.tensor([math.inf])).item() == 6.0
+    assert math.isnan(e2m1_round_(torch.tensor([math.nan])).item())
+
+
 @pytest.mark.parametrize("ties", ["even", "toward_zero"])
 def test_bucketize_and_compare_paths_agree_on_every_bf16_pattern(ties):
     """threshold_codes takes one bucketize call below 8192 elements and a sum of compares above;
