@@ -364,6 +364,20 @@ def test_ranked_topk_selects_as_torch_topk_does(dtype):
     assert lg._kth_largest(x, 1)[4].isnan()
 
 
+def test_ranked_topk_ranks_nan_first():
+    """A row with NaN (which the engine screens before sampling; a user's logits processor may
+    not) ranks its NaNs first by id, then the numbers: fewer NaNs than k, as many, and more."""
+    from mismatch.engines.logits import ranked_topk
+
+    x = torch.tensor([[0.5, float("nan"), 2.0, -1.0, float("nan"), float("inf")],
+                      [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
+    for k in (1, 2, 3, 6):
+        vals, ids = ranked_topk(x, k)
+        assert ids[0].tolist() == [1, 4, 5, 2, 0, 3][:k], k
+        assert ids[1].tolist() == [5, 4, 3, 2, 1, 0][:k], k
+        assert torch.equal(vals.view(torch.int32), x.gather(-1, ids).view(torch.int32))
+
+
 def test_the_kv_cache_hands_tiled_attention_a_view_and_sdpa_a_copy(model):
     """Tiled attention widens K and V to FP32 itself, so the cache gives it a view of its store
     (no compact BF16 copy first); torch SDPA, any lane on it, or no block at all get a compact

@@ -82,10 +82,15 @@ def ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ascending: the one ranking rule the candidates and the nucleus (`process_logits`) share.
 
     torch's `topk` and `sort` leave the order of tied values unspecified (it differs between
-    machines), so a candidate list and a nucleus ranked by either alone may disagree on a tie."""
+    machines), so a candidate list and a nucleus ranked by either alone may disagree on a tie.
+    NaN ranks above every number (as `topk` and a descending `sort` put it), NaNs by id."""
     k = min(k, x.shape[-1])
     kth = _kth_largest(x, k)
     above, tied = x > kth, x == kth
+    if x.is_floating_point() and bool(torch.isnan(x).any()):  # NaN ranks first, as in topk
+        nan, kth_nan = torch.isnan(x), torch.isnan(kth)
+        above = (above | nan) & ~kth_nan
+        tied = torch.where(kth_nan, nan, tied)
     need = k - above.sum(-1, keepdim=True)
     chosen = above | (tied & (tied.cumsum(-1) <= need))  # ties at the boundary: lowest ids
     ids = chosen.nonzero()[:, 1].view(x.shape[0], k)  # ascending ids per row
