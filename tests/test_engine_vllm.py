@@ -340,7 +340,8 @@ def test_mismatch_qualify_against_the_real_server(server, tmp_path):
 
 def test_qualify_launches_the_server_itself_and_stops_it(tmp_path):
     """`mismatch qualify --launch vllm`: vLLM started on the embedded model, qualified, and gone
-    afterwards (its port free again); the verdict names the launch and the server's log."""
+    afterwards (its port free again); the verdict names the launch and the server's log, kept in
+    the output folder."""
     import json
     import re
 
@@ -360,6 +361,7 @@ def test_qualify_launches_the_server_itself_and_stops_it(tmp_path):
     assert v["launched"]["engine"] == "vllm" and v["launched"]["model"] == "embedded"
     checks = {c["metric"]: c for c in v["checks"]}
     assert 0 < checks["kl_k3"]["value"] < checks["kl_k3"]["budget"]
+    assert Path(v["launched"]["log"]) == out.resolve() / "server.log"  # kept with the verdict
     log = Path(v["launched"]["log"]).read_text()
     port = int(re.search(r"--port (\d+)", log).group(1))
     assert port_free(port)  # the server was stopped

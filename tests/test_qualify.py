@@ -121,6 +121,34 @@ def test_bad_input_exits_2_and_leaves_nothing(tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".q.tmp-*"))
 
 
+def test_a_launched_servers_log_is_kept_in_the_output_folder(tmp_path):
+    """`qualify --launch`: the server's log goes into the output folder as server.log, written
+    with the verdict (or not at all), and the verdict names that copy; a verdict of a server
+    nobody launched writes no log."""
+    from dataclasses import replace
+
+    from mismatch.app.qualify import (SERVER_LOG, Launched, kept_launch, verdict_result,
+                                      write_outputs)
+
+    body = json.loads((Path(__file__).parent / "data" / "probe-results" /
+                       "sources-results.json").read_text())
+    body.pop("command")
+    v = verdict_result(load_policy(), body, mode="measured", sampler="vllm")
+    log = tmp_path / "mismatch-qualify-vllm-123.log"
+    log.write_text("INFO vllm serve --port 8123\nready\n")
+    launched = replace(v, launched=Launched(engine="vllm", model="embedded", log=str(log)))
+    out = tmp_path / "q"
+    kept, source = kept_launch(launched, out)
+    assert source == log and kept.launched.log == str(out.resolve() / SERVER_LOG)
+    write_outputs(out, kept, "mismatch qualify --launch vllm", source)
+    assert (out / SERVER_LOG).read_text() == log.read_text()
+    written = json.loads((out / "verdict.json").read_text())
+    assert written["launched"]["log"] == str(out.resolve() / SERVER_LOG)
+    assert kept_launch(v, out) == (v, None)
+    write_outputs(tmp_path / "e", v, "mismatch qualify --gpu b200 --dtype nvfp4")
+    assert not (tmp_path / "e" / SERVER_LOG).exists()
+
+
 def test_verdict_record_is_the_json_written_and_printed():
     from dataclasses import replace
 

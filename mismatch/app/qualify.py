@@ -311,15 +311,37 @@ def markdown(result: Verdict, command: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_outputs(out: Path, result: Verdict, command: str) -> Path:
-    """verdict.json (the verdict and checks), results.json (the probe summary) and report.md,
-    written together or not at all."""
+SERVER_LOG = "server.log"
+"""Where `qualify --launch` keeps the log of the server it started, in the output folder."""
+
+
+def kept_launch(result: Verdict, out: Path) -> tuple[Verdict, Path | None]:
+    """A launched server's verdict as written to `out`: its `launched.log` names the copy in the
+    output folder (out/server.log), with the log where the server wrote it; (result, None) when
+    nothing was launched."""
+    from dataclasses import replace
+
+    if result.launched is None:
+        return result, None
+    source = Path(result.launched.log)
+    kept = replace(result.launched, log=str(Path(out).resolve() / SERVER_LOG))
+    return replace(result, launched=kept), source
+
+
+def write_outputs(out: Path, result: Verdict, command: str,
+                  server_log: Path | None = None) -> Path:
+    """verdict.json (the verdict and checks), results.json (the probe summary), report.md and,
+    for a launched server, its log (`server_log` copied to server.log), written together or not
+    at all."""
     import json
+    import shutil
 
     from mismatch.io import atomic_directory, mark_output
 
     with atomic_directory(out) as tmp:
         mark_output(tmp, "qualify")
+        if server_log is not None:
+            shutil.copyfile(server_log, tmp / SERVER_LOG)
         (tmp / "verdict.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
         (tmp / "results.json").write_text(json.dumps(result.summary, indent=2) + "\n")
         (tmp / "report.md").write_text(markdown(result, command))

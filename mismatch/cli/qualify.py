@@ -58,7 +58,7 @@ def qualify_command(
 ) -> None:
     """PASS/FAIL a sampler against a mismatch budget: exit 0 pass, 1 fail, 2 bad input."""
     quiet_libraries()
-    from mismatch.app.qualify import load_policy, write_outputs
+    from mismatch.app.qualify import kept_launch, load_policy, write_outputs
 
     command = "mismatch " + " ".join(sys.argv[1:]) if sys.argv[1:] else "mismatch qualify"
     common = dict(model=model, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed)
@@ -73,7 +73,10 @@ def qualify_command(
                                    timeout=timeout)
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    write_outputs(target, result, command)
+    result, server_log = kept_launch(result, target)
+    write_outputs(target, result, command, server_log)
+    if server_log is not None:
+        server_log.unlink(missing_ok=True)  # kept in the output folder
     _print_verdict(result, target, as_json)
     raise typer.Exit(0 if result.passed else 1)
 
