@@ -231,8 +231,9 @@ def e2m1_round_(m: torch.Tensor) -> torch.Tensor:
     u = max(2^(e−1), 0.5) for m in [2^e, 2^(e+1)), c = u · 2^23 is built from m's exponent bits
     by one integer add, and (m + c) − c rounds m to a multiple of u: m + c lies in [c, 2c), whose
     float32 spacing is u, with ties to the even multiple k·u (c / u = 2^23 is even), and within
-    each range k and the E2M1 code have the same parity, so a tie goes to the even code. NaN stays NaN (threshold_codes has no NaN to take). Exact on every
-    float32 input: tests hold it to the code table around every midpoint."""
+    each range k and the E2M1 code have the same parity, so a tie goes to the even code. NaN
+    stays NaN (threshold_codes has no NaN to take). Exact on every float32 input: tests hold it
+    to the code table around every midpoint."""
     m.clamp_(max=E2M1_MAX)
     c = (m.view(torch.int32) & _F32_EXPONENT).add_(22 << 23).clamp_(min=_E2M1_MAGIC_MIN)
     c = c.view(torch.float32)

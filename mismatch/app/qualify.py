@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 __all__ = ["DEFAULT_POLICY", "SOURCE_METRICS", "TOTAL_METRICS", "Check", "Launched", "Policy",
@@ -319,8 +319,6 @@ def kept_launch(result: Verdict, out: Path) -> tuple[Verdict, Path | None]:
     """A launched server's verdict as written to `out`: its `launched.log` names the copy in the
     output folder (out/server.log), with the log where the server wrote it; (result, None) when
     nothing was launched."""
-    from dataclasses import replace
-
     if result.launched is None:
         return result, None
     source = Path(result.launched.log)
@@ -350,8 +348,6 @@ def write_outputs(out: Path, result: Verdict, command: str,
 
 def qualify_emulated(cfg, policy: Policy, progress=None) -> Verdict:
     """Run the probes `policy` needs for an emulated sampler; the verdict and its evidence."""
-    from dataclasses import replace
-
     from mismatch.app.sources import probe_sources
 
     run = probe_sources(replace(cfg, sources=needed_sources(policy)), progress)
