@@ -230,3 +230,44 @@ def test_prefill_is_bounded_and_every_request_still_served(model, tok, prompts):
     ref = Engine(model, pad_id=pad, eos_ids=eos, slots=6).run(reqs)
     assert [c.tokens for c in out] == [c.tokens for c in ref]
     assert small.stats.steps > max(len(c.tokens) for c in ref)  # staggered joins took steps
+
+
+@pytest.mark.parametrize("gpu,dtype,kv", [(None, None, None), ("a100", "bf16", None),
+                                          ("b200", "nvfp4", "fp8")])
+def test_a_shared_prompt_is_prefilled_once_and_each_sample_is_as_if_alone(model, tok, prompts,
+                                                                          gpu, dtype, kv):
+    """Three prompts four times each, interleaved (a GRPO step's groups): with KV reuse each
+    prompt is computed once and its copies take its KV (an FP8 cache's rounded values and the
+    routing included); every completion is the one the engine gives when each request prefills
+    alone (kv_reuse=False), bit for bit."""
+    params = SamplingParams(max_new_tokens=16, candidates=8)
+    eos, pad = {tok.eos_token_id}, tok.pad_token_id
+    group = prompts[:3]
+    reqs = [Request(prompt=group[i % 3], params=params, seed=10 + i) for i in range(12)]
+    with _numerics(model, group, gpu, dtype, kv):
+        shared = Engine(model, pad_id=pad, eos_ids=eos, slots=12)
+        ours = shared.run(reqs)
+        alone = Engine(model, pad_id=pad, eos_ids=eos, slots=12, kv_reuse=False)
+        ref = alone.run(reqs)
+    assert shared.stats.shared_tokens == 3 * sum(len(p) for p in group)
+    assert alone.stats.shared_tokens == 0
+    assert shared.stats.prefill_tokens == alone.stats.prefill_tokens
+    assert len({tuple(c.tokens) for c in ours}) > 3  # the copies sampled their own streams
+    for a, b in zip(ours, ref):
+        assert a.tokens == b.tokens
+        for f in ("logprobs", "logprobs_processed", "candidate_ids", "candidate_logprobs",
+                  "candidate_in_support", "routed_experts"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert (x is None and y is None) or torch.equal(x, y), f
+
+
+def test_only_new_sequences_with_the_same_tokens_and_lane_share_a_prefill():
+    from mismatch.engines.prefix_sharing import shared_rows
+
+    assert shared_rows([0, 0, 0], [[1, 2], [1, 3], [2, 2]], [0, 0, 0]) is None
+    assert shared_rows([0, 0], [[1, 2], [1, 2]], [0, 1]) is None  # other numerics
+    assert shared_rows([5, 5], [[1, 2], [1, 2]], [0, 0]) is None  # slots with their own past
+    computed, source = shared_rows([0, 0, 3, 0, 0], [[1, 2], [4], [1, 2], [1, 2], [4]],
+                                   [0, 0, 0, 0, 0])
+    assert computed == [0, 1, 2]
+    assert source == [0, 1, 2, 0, 1]

@@ -18,9 +18,12 @@ router precision):
   finishes. The session's next request (a later turn of the same conversation) prefills only what
   follows the longest common prefix of its prompt and the cached tokens, as SGLang's radix cache
   and vLLM's prefix caching do: the earlier turns' KV is the one their prefill and decode steps
-  wrote. `kv_reuse=False` re-prefills every request from its first token (the switch the kernels
-  probe uses to measure the difference). Idle sessions are evicted least recently used first
-  when a request needs their slot; an evicted session's next request is prefilled in full.
+  wrote. New requests of one prefill with the same prompt and lane (a GRPO group's samples)
+  are computed once, the others' slots given a copy of that KV, as those caches serve parallel
+  sampling (prefix_sharing.py). `kv_reuse=False` prefills every request from its first token,
+  alone (the switch the kernels probe uses to measure the difference). Idle sessions are evicted
+  least recently used first when a request needs their slot; an evicted session's next request
+  is prefilled in full.
 - **Per-sequence random streams.** Each request carries its own `seed`; its j-th token is drawn
   by the j-th uniform of that stream (streams.py), so a sequence's draws never depend on which
   other sequences share its batch, or when it joined.
@@ -49,10 +52,11 @@ from ..kernels.bf16_gemm import bf16_module_gemms
 from .kv_cache import SlotCache
 from .lanes import batch_lanes
 from .outputs import SlotOutputs
+from .prefix_sharing import copy_shared, shared_rows
 from .requests import Completion, EngineStats, Request
 from .routing import routers as find_routers
 from .logits import process_rows, ranked_topk
-from .streams import inverse_cdf_draw, stream_uniform
+from .streams import next_tokens
 
 __all__ = ["Engine"]
 
@@ -190,7 +194,20 @@ class Engine:
                  lanes: list[int]) -> torch.Tensor:
         """One forward over the batch: rows' new tokens `inputs` at positions starts[i]… →
         [B, V] FP32 logits at each row's last new token, row i computed with the numerics of
-        lane lanes[i] (lanes.py). Records routing per position."""
+        lane lanes[i] (lanes.py). Records routing per position. With KV reuse, rows of the same
+        new prompt are computed once and the others' slots get a copy (prefix_sharing.py)."""
+        shared = shared_rows(starts, inputs, lanes) if self.kv_reuse and len(rows) > 1 else None
+        if shared is None:
+            return self._compute(rows, starts, inputs, lanes)
+        computed, source = shared
+        logits = self._compute(*([a[i] for i in computed] for a in (rows, starts, inputs, lanes)))
+        self.stats.shared_tokens += copy_shared(self._cache, self._routing, self._state, rows,
+                                                inputs, computed, source)
+        return logits[torch.tensor(source, device=logits.device)]
+
+    def _compute(self, rows: list[int], starts: list[int], inputs: list[list[int]],
+                 lanes: list[int]) -> torch.Tensor:
+        """_forward's batch, every row computed."""
         dev = self._device
         b = len(rows)
         width = max(len(x) for x in inputs)
@@ -345,30 +362,7 @@ class Engine:
         slots' output buffers (one indexed write per buffer for the whole batch)."""
         raw = torch.log_softmax(logits, dim=-1)
         proc = process_rows(logits, [s.request.params for s in seqs])
-        n = len(seqs)
-        tokens = torch.empty(n, dtype=torch.long)
-        draw, greedy = [], []
-        for i, s in enumerate(seqs):
-            r = s.request
-            if r.forced is not None:
-                tokens[i] = r.forced[len(s.tokens)]
-            elif r.params.temperature == 0:
-                greedy.append(i)
-            else:
-                draw.append(i)
-        if greedy:
-            g = torch.tensor(greedy)
-            tokens[g] = proc[g].argmax(-1).cpu()
-        if draw:
-            d = torch.tensor(draw) if len(draw) < n else None
-            p = proc if d is None else proc[d]
-            u = torch.tensor([stream_uniform(seqs[i].request.seed, len(seqs[i].tokens))
-                              for i in draw], dtype=torch.float64)
-            picked = inverse_cdf_draw(p, u)
-            if d is None:
-                tokens = picked
-            else:
-                tokens[d] = picked
+        tokens = next_tokens(proc, [s.request for s in seqs], [len(s.tokens) for s in seqs])
         tok_dev = tokens.to(raw.device)
         cand_lp, cand_ids = ranked_topk(raw, self._out.k)
         self._out.write(torch.tensor([s.slot for s in seqs]),

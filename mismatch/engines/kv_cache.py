@@ -99,5 +99,12 @@ class SlotCache(Cache):
             mark_rounded(*out)
         return out[0], out[1]
 
+    def copy_prefix(self, src: torch.Tensor, dst: torch.Tensor, n: int) -> None:
+        """Copy positions [0, n) of slots `src` [R] into slots `dst` [R] (a shared prefill:
+        the KV as stored, FP8 rounding included)."""
+        for store in (self.keys, self.values):
+            for cache in store:
+                cache[dst, :, :n] = cache[src, :, :n]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self._plan is None else self._plan[5]

@@ -81,7 +81,11 @@ class EngineStats:
     """Counters of one engine, cumulative."""
 
     prefill_tokens: int = 0
+    """Prompt tokens the prefills covered (shared_tokens of them copied, not computed)."""
     cached_tokens: int = 0
+    """Prompt tokens a session's cache held (not prefilled)."""
+    shared_tokens: int = 0
+    """Prompt tokens whose KV was copied from a row of the same prompt in the same prefill."""
     decode_tokens: int = 0
     steps: int = 0
     requests: int = 0

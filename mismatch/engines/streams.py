@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["stream_uniform", "inverse_cdf_draw"]
+__all__ = ["stream_uniform", "inverse_cdf_draw", "next_tokens"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -31,3 +31,32 @@ def inverse_cdf_draw(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     # a target at the very top of the CDF: the last token of the support
     last = (logprobs > float("-inf")).float().cumsum(-1).argmax(-1)
     return torch.minimum(pick, last).cpu()
+
+
+def next_tokens(proc: torch.Tensor, requests: list, positions: list[int]) -> torch.Tensor:
+    """Row i's next token ([n] int64, CPU) given its processed log-probs proc[i], its request
+    (engine `Request`) and how many tokens it has generated (`positions[i]`): the request's forced
+    token there, the argmax at temperature 0, else the positions[i]-th uniform of its own stream
+    (its `seed`) drawn by inverse CDF."""
+    n = len(requests)
+    tokens = torch.empty(n, dtype=torch.long)
+    draw, greedy = [], []
+    for i, r in enumerate(requests):
+        if r.forced is not None:
+            tokens[i] = r.forced[positions[i]]
+        elif r.params.temperature == 0:
+            greedy.append(i)
+        else:
+            draw.append(i)
+    if greedy:
+        g = torch.tensor(greedy)
+        tokens[g] = proc[g].argmax(-1).cpu()
+    if draw:
+        d = torch.tensor(draw) if len(draw) < n else None
+        u = torch.tensor([stream_uniform(requests[i].seed, positions[i]) for i in draw],
+                         dtype=torch.float64)
+        picked = inverse_cdf_draw(proc if d is None else proc[d], u)
+        if d is None:
+            return picked
+        tokens[d] = picked
+    return tokens
