@@ -181,6 +181,43 @@ def test_masked_attention_is_left_to_torch():
         assert torch.equal(got, want)
 
 
+def test_masked_attention_when_asked_is_the_fp32_kernel_too():
+    """With `masked=True` (the trainer's step: a suffix of 30 queries on a shared prompt's keys,
+    40 in all, under a bottom-right causal mask) the masked call is rerouted like the causal
+    one: the FP32 kernel on the same values, each output rounded once, bit for bit; within BF16
+    rounding of float64 and no farther than torch's BF16 kernel."""
+    q, k, v = _bf(3, 4, 30, 32), _bf(3, 2, 40, 32, seed=1), _bf(3, 2, 40, 32, seed=2)
+    g = _bf(3, 4, 30, 32, seed=3)
+    mask = torch.ones(30, 40, dtype=torch.bool).tril(diagonal=10)
+
+    def run(q, k, v, g, policy, masked=True):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        with bf16_gemms(policy, masked=masked):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                   enable_gqa=True)
+            out.backward(g)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    fp32 = run(q, k, v, g, "fp32")
+    aten = torch.ops.aten  # SDPA hands the kernel the mask as additive, in the query's dtype
+    additive = torch.zeros(30, 40).masked_fill(~mask, float("-inf"))
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float(), k.float(), v.float(), 0.0, False, attn_mask=additive)
+    grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g.float(), q.float(), k.float(), v.float(), out.to(BF).float(), lse, 0.0, False,
+        attn_mask=additive)
+    for got, want in zip(fp32, (out, *grads)):
+        assert got.dtype == BF and torch.equal(got, want.to(BF))
+    ref = run(q.double(), k.double(), v.double(), g.double(), "native")
+    native = run(q, k, v, g, "native")
+    unasked = run(q, k, v, g, "fp32", masked=False)
+    assert all(torch.equal(a, b) for a, b in zip(unasked, native))
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), fp32, native, ref):
+        err = ((a.double() - r).norm() / r.norm()).item()
+        err_native = ((b.double() - r).norm() / r.norm()).item()
+        assert err < 2.5e-3 and err <= err_native * 1.05, (name, err, err_native)
+
+
 def test_nested_blocks_and_native_policy():
     a, b = _bf(8, 16), _bf(16, 8, seed=1)
     with bf16_gemms("native") as rerouted:

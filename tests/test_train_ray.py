@@ -52,6 +52,20 @@ def local_sync(tmp_path_factory, model, tok):
     return read_metrics(out / "metrics.jsonl")
 
 
+@pytest.fixture(scope="module")
+def local_whole_rows(tmp_path_factory, model, tok):
+    """local_sync's first 2 steps with each row scored whole, as FSDP2 ranks score them
+    (ShardedTrainer.share_prefix)."""
+    from mismatch.train.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("local-whole")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "share_prefix", False)
+        run(preset_config("smoke", steps=2, **SYNC), out, model=model, tokenizer=tok,
+            log_alerts=False)
+    return read_metrics(out / "metrics.jsonl")
+
+
 def _ray_pids() -> set[int]:
     me = psutil.Process()
     return {p.pid for p in me.children(recursive=True)} | {me.pid}
@@ -162,7 +176,8 @@ def test_a_dead_trainer_ends_the_run_resumably(ray_session, local_sync, tmp_path
 
 
 def test_fsdp2_trainer_ranks_on_a_shared_weights_path_step_as_one_trainer_and_resume(
-        ray_session, local_sync, tmp_path, model, tok):
+        ray_session, local_whole_rows, tmp_path, model, tok):
+    local_sync = local_whole_rows
     out, shared = tmp_path / "fsdp", tmp_path / "weights"
     cfg = preset_config("smoke", steps=2, **SYNC)
     run(cfg, out, model=model, tokenizer=tok, log_alerts=False,

@@ -413,7 +413,8 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
         res[0].backward()
         return res, {n: p.grad.clone() for n, p in net.named_parameters()}
 
-    (loss, m, ent, logp, cand, mask), grads = run_grads(lambda: batch_loss(net, b, arm))
+    (loss, m, ent, logp, cand, mask), grads = run_grads(
+        lambda: batch_loss(net, b, arm, share_prefix=False))
     (ref_loss, ref_m, ref_ent, ref_logp, ref_cand), ref = run_grads(
         lambda: _old_batch_loss(net, b, arm, None))
     at = b.mask.clone()
@@ -433,13 +434,131 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
         assert torch.allclose(m[k].double(), ref_m[k].double(), rtol=1e-6, atol=1e-12), k
     for k in ("ratio_p05", "ratio_p50", "ratio_p95", "valid_tokens"):
         assert torch.equal(m[k], ref_m[k])
-    scores = token_scores(net, b)  # the same scores, unpacked, for other callers
+    scores = token_scores(net, b, share_prefix=False)  # the same, unpacked, for other callers
     assert all(torch.equal(x.detach(), y) for x, y in zip(scores, (logp, cand, ent)))
     (masked_loss, *_), masked = run_grads(lambda: _old_batch_loss(net, b, arm, b.attention))
     assert torch.equal(ref_loss, masked_loss)
     for k in masked:
         diff = (grads[k].float() - masked[k].float()).norm()
         assert diff <= 0.02 * masked[k].float().norm() + 1e-6, k
+
+
+@pytest.fixture(scope="module")
+def grouped_batch(model, tok):
+    """Two prompts, three episodes each (two GRPO groups), right-padded."""
+    from mismatch.train.fleet import fleet
+    from mismatch.train.rollout import run_episodes
+    from mismatch.train.batch import task_of
+
+    group = fleet("homogeneous")[0]
+    units = []
+    for u in (3, 4):
+        eps = run_episodes(model, tok, [task_of(u, 0, ("arith",))] * 3, group, version=0,
+                           max_turns=2, max_new_tokens=40, top_k_candidates=16, seed=u)
+        for j, ep in enumerate(eps):
+            ep.reward = float(j % 2)
+        units.append(Unit(index=u, group=group.name, version=0, episodes=eps, seconds=0.0))
+    return build_batch(units, step=0, pad_id=tok.pad_token_id)
+
+
+def _grads_of(net, fn):
+    net.zero_grad(set_to_none=True)
+    loss, m, ent, logp, cand, mask = fn()
+    loss.backward()
+    grads = torch.cat([p.grad.double().flatten() for p in net.parameters()
+                       if p.grad is not None])
+    return loss.detach().double(), logp.double(), cand.double(), mask, grads
+
+
+def test_a_shared_prompt_is_scored_once_and_gives_the_per_row_forwards_numbers(model,
+                                                                              grouped_batch):
+    """Each group's prompt runs once (train.scoring.shared_prefix), its rows continue on its
+    keys and values. In FP32 that is the per-row forward to FP32 rounding (log-probs, loss and
+    every gradient); in BF16 it rounds otherwise, no further from a float64 reference than the
+    per-row forward (on a 16 × 8 step's first 4 groups: mean |Δ log π| 4.86e-4 against 4.90e-4,
+    gradient 5.00e-2 against 5.02e-2 relative)."""
+    from mismatch.engines.hf_attention import eager_experts
+    from mismatch.train.scoring import sampled_positions, shared_prefix
+    from mismatch.train.trainer import batch_loss
+
+    b = grouped_batch
+    p, first, which = shared_prefix(b, sampled_positions(b)[1])
+    assert len(first) == 2 and which.tolist() in ([0, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0])
+    assert first[which].tolist() == [0, 0, 0, 3, 3, 3]  # each group's prompt, run from its row
+    assert p >= 16 and not b.mask[:, :p + 1].any()
+    runs = {}
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        net = copy.deepcopy(model).to(dtype).train()
+        with eager_experts(net):  # float64 has no grouped GEMM
+            runs[dtype] = [_grads_of(net, lambda s=s: batch_loss(net, b, "sc+mis", share_prefix=s))
+                           for s in (False, True)]
+    (loss, logp, cand, mask, grads), (s_loss, s_logp, s_cand, _, s_grads) = runs[torch.float32]
+    assert torch.allclose(s_logp[mask], logp[mask], rtol=0, atol=2e-5)
+    assert torch.allclose(s_cand[mask], cand[mask], rtol=0, atol=2e-5)
+    assert torch.allclose(s_loss, loss, rtol=1e-5, atol=1e-7)
+    assert float((s_grads - grads).norm()) <= 1e-5 * float(grads.norm())
+    ref_logp, ref_grads = runs[torch.float64][0][1], runs[torch.float64][0][4]
+    assert torch.allclose(runs[torch.float64][1][1], ref_logp, rtol=0, atol=1e-10)
+    (_, logp, _, _, grads), (_, s_logp, _, _, s_grads) = runs[torch.bfloat16]
+    err = float((logp - ref_logp)[mask].abs().mean())
+    s_err = float((s_logp - ref_logp)[mask].abs().mean())
+    assert 0 < s_err <= 1.25 * err, (s_err, err)
+    g_err = float((grads - ref_grads).norm())
+    assert float((s_grads - ref_grads).norm()) <= 1.25 * g_err
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_shared_prompt_on_other_architectures(grouped_batch, arch, monkeypatch):
+    """Llama (SmolLM2's) and Gemma 3 (sliding-window layers shorter than the shared prompt,
+    final logit soft-capping) take the shared prefix too, to FP32 rounding of the per-row
+    forward (small random models, FP32)."""
+    from transformers import (Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig,
+                              LlamaForCausalLM)
+
+    from mismatch.train.trainer import batch_loss
+
+    torch.manual_seed(0)
+    vocab = int(max(grouped_batch.ids.max(), grouped_batch.cand_ids.max())) + 1
+    common = dict(vocab_size=vocab, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+    if arch == "llama":
+        net = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        net = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=32,
+                                                 layer_types=["sliding_attention",
+                                                              "full_attention"],
+                                                 final_logit_softcapping=30.0))
+    net.train()
+    from mismatch.train import scoring
+
+    on_cache, logits_at = [], scoring._logits_at
+    monkeypatch.setattr(scoring, "_logits_at", lambda *a, **kw: on_cache.append(
+        "past_key_values" in kw) or logits_at(*a, **kw))
+    (loss, logp, cand, mask, grads), (s_loss, s_logp, s_cand, _, s_grads) = [
+        _grads_of(net, lambda s=s: batch_loss(net, grouped_batch, "sc+mis", share_prefix=s))
+        for s in (False, True)]
+    assert on_cache == [False, True]  # the second run continued from the shared prompt's cache
+    assert torch.allclose(s_logp[mask], logp[mask], rtol=0, atol=2e-5)
+    assert torch.allclose(s_cand[mask], cand[mask], rtol=0, atol=2e-5)
+    assert float((s_grads - grads).norm()) <= 1e-5 * float(grads.norm())
+
+
+def test_rows_that_share_too_little_are_scored_whole(grouped_batch):
+    from dataclasses import replace
+
+    from mismatch.train.scoring import sampled_positions, shared_prefix
+
+    b = grouped_batch
+    at = sampled_positions(b)[1]
+    ids = b.ids.clone()
+    ids[:, 3] += torch.arange(6)  # six distinct prefixes: nothing to share
+    assert shared_prefix(replace(b, ids=ids), at) is None
+    left = replace(b, attention=b.attention.flip(1))  # not right-padded
+    assert shared_prefix(left, at) is None
+    early = b.mask.clone()
+    early[0, 5] = True  # a scored position before the 16th
+    assert shared_prefix(b, sampled_positions(replace(b, mask=early))[1]) is None
 
 
 def test_lockstep_trainer_takes_the_idle_samplers_threads(model, monkeypatch):

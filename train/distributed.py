@@ -79,6 +79,11 @@ class ShardedTrainer(Trainer):
     """FP32 master sharded with FSDP2, AdamW on the shards, loss in `compute_dtype`; `step`
     takes the whole batch (every rank the same) and returns the whole batch's metrics."""
 
+    share_prefix = False
+    """Whole rows: FSDP2's hooks gather a module's weights for the backward of one forward, and
+    a shared prompt's forward before the rows' own one fails in the backward (measured, torch
+    2.13: "setStorage … out of bounds for storage of size 0")."""
+
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig,
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -6,9 +6,16 @@ Only the sampled positions matter to the loss and the metrics, so only their log
 cache-sized chunk of rows at a time (`_TokenScores`). The *packed* form holds the N sampled
 positions (position 0 excepted: nothing predicts it) row-major: log π [N], candidates [N, K],
 entropy [N]; `unpacked_scores` puts them back in place as [B, T], [B, T, K], [B, T-1].
+
+The rows of a GRPO group begin with the same prompt; where nothing before position P is scored,
+those P positions run once per group and the group's rows continue from their keys and values
+(`shared_prefix`; a 16 × 8 step of the embedded model's arithmetic tasks shares ~116 of its
+~270 positions per row).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -77,9 +84,10 @@ def right_padded(attention: torch.Tensor) -> bool:
 
 
 def _logits_at(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor | None,
-               seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The logits [N, V] of positions (seq, pos) of a causal LM's forward over `ids`: its output
-    head (get_output_embeddings) is fed those positions' hidden states alone."""
+               seq: torch.Tensor, pos: torch.Tensor, **forward) -> torch.Tensor:
+    """The logits [N, V] of positions (seq, pos) of a causal LM's forward over `ids` (`forward`:
+    more of its arguments): its output head (get_output_embeddings) is fed those positions'
+    hidden states alone."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     hook = None
     if isinstance(head, torch.nn.Module):
@@ -89,14 +97,15 @@ def _logits_at(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tenso
 
         hook = head.register_forward_pre_hook(rows_only)
     try:
-        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=attention,
+                       use_cache="past_key_values" in forward, **forward).logits
     finally:
         if hook is not None:
             hook.remove()
     return logits[seq, pos] if logits.dim() == 3 else logits  # a head that was not hooked
 
 
-def token_scores(model: torch.nn.Module, batch: Batch):
+def token_scores(model: torch.nn.Module, batch: Batch, share_prefix: bool = True):
     """The trainer's teacher-forced scores of `batch` under `model` (FP32 log-softmax of its
     logits) at the sampled tokens (`batch.mask`, position 0 excepted: nothing predicts it):
     log π of each token [B, T] and of each candidate [B, T, K], and the entropy [B, T-1] of
@@ -109,12 +118,15 @@ def token_scores(model: torch.nn.Module, batch: Batch):
     are the same bit for bit, and attention takes its causal path (half the score blocks, no
     [B, 1, T, T] mask) instead of the masked one.
 
-    The loss and the log-probs are those of the full [B, T, V] log-softmax bit for bit; the
-    gradients differ by BF16 rounding only: the attention backward sums in another order than
-    the masked one, and the output head's weight gradient sums the sampled rows alone (a few
-    in 10^4 of its elements round the other way)."""
+    With `share_prefix=False` the loss and the log-probs are those of the full [B, T, V]
+    log-softmax bit for bit; the gradients differ by BF16 rounding only: the attention backward
+    sums in another order than the masked one, and the output head's weight gradient sums the
+    sampled rows alone (a few in 10^4 of its elements round the other way). With it (the
+    trainer's default), a prompt the rows of a group share runs once (shared_prefix): the same
+    function of the weights, to FP32 rounding in FP32; in BF16 the numbers round otherwise, as
+    close to a float64 reference as the per-row forward's."""
     _, at = sampled_positions(batch)
-    lp, cl, en = packed_scores(model, batch, at)
+    lp, cl, en = packed_scores(model, batch, at, share_prefix)
     return unpacked_scores(lp, cl, en, at, batch)
 
 
@@ -126,11 +138,64 @@ def sampled_positions(batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, t
     return mask, mask.nonzero(as_tuple=True)
 
 
-def packed_scores(model: torch.nn.Module, batch: Batch, at):
-    """token_scores at the positions `at` only: log π [N], candidates [N, K], entropy [N]."""
+_MIN_SHARED = 16
+"""Prefix positions shared by the rows of a group at least for `shared_prefix` to use them."""
+
+
+def shared_prefix(batch: Batch, at) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """Where the rows of a right-padded batch share their first P positions (a GRPO group's
+    prompt) and nothing before position P is scored: (P, the distinct prefixes' rows [G], each
+    row's prefix [B] as an index into them). None unless P ≥ _MIN_SHARED and there are at most
+    half as many distinct prefixes as rows."""
+    if at[1].numel() == 0 or not right_padded(batch.attention):
+        return None
+    p = int(at[1].min()) - 1  # the first scored position (it predicts the first sampled token)
+    b = batch.ids.shape[0]
+    if p < _MIN_SHARED:
+        return None
+    _, which = torch.unique(batch.ids[:, :p], dim=0, return_inverse=True)
+    g = int(which.max()) + 1
+    if 2 * g > b:
+        return None
+    first = torch.full((g,), b, dtype=torch.long).scatter_reduce_(
+        0, which, torch.arange(b), reduce="amin")
+    return p, first, which
+
+
+def _shared_logits_at(model: torch.nn.Module, ids: torch.Tensor, shared, seq: torch.Tensor,
+                      pos: torch.Tensor) -> torch.Tensor | None:
+    """_logits_at without attention mask, the shared prefixes computed once: the model runs the
+    G distinct prefixes [G, P] into a KV cache (its output head on their last position alone),
+    each row takes its prefix's keys and values (an index, so their gradients sum over the
+    group's rows in the backward) and the model runs positions P… of every row on them (Prefix
+    Grouper: Liu et al. 2025, arXiv:2506.05433). The same function of the weights as the
+    per-row forward; in BF16 it rounds otherwise (other GEMM shapes, the suffix's attention on
+    its masked path). None for a model without transformers' causal-LM interface
+    (`logits_to_keep`, a cache that selects rows): the caller runs the whole rows."""
+    p, first, which = shared
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return None  # not a transformers causal LM
+    # the model's own forward: a sharded model (FSDP2) gathers its weights in its hooks
+    out = model(input_ids=ids[first, :p], use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(which)
+    t = ids.shape[1]
+    positions = torch.arange(p, t)[None].expand(ids.shape[0], -1)
+    return _logits_at(model, ids[:, p:], None, seq, pos - p, position_ids=positions,
+                      past_key_values=cache)
+
+
+def packed_scores(model: torch.nn.Module, batch: Batch, at, share_prefix: bool = True):
+    """token_scores at the positions `at` only: log π [N], candidates [N, K], entropy [N].
+    `share_prefix`: compute a prefix the rows share once (shared_prefix, _shared_logits_at)."""
     attention = None if right_padded(batch.attention) else batch.attention
     seq, pos = at[0], at[1] - 1                                   # position pos predicts pos+1
-    logits = _logits_at(model, batch.ids, attention, seq, pos)
+    shared = shared_prefix(batch, at) if share_prefix else None
+    logits = None if shared is None else _shared_logits_at(model, batch.ids, shared, seq, pos)
+    if logits is None:
+        logits = _logits_at(model, batch.ids, attention, seq, pos)
     rows = max(1, _SCORE_CHUNK // max(1, logits.shape[-1]))
     return _TokenScores.apply(logits, batch.ids[at], batch.cand_ids[at], rows)
 

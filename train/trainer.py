@@ -38,13 +38,13 @@ __all__ = ["Trainer", "StepMetrics", "batch_loss", "arm_loss", "step_metrics",
            "lockstep_threads", "OptimConfig"]
 
 
-def batch_loss(model: torch.nn.Module, batch: Batch, correction: str):
+def batch_loss(model: torch.nn.Module, batch: Batch, correction: str, share_prefix: bool = True):
     """The arm's loss of `batch` under `model` (teacher-forced, FP32 log-softmax of its logits;
     token_scores): (loss — a mean over the batch's valid tokens —, the loss's metrics, and, at
     the sampled tokens (0 elsewhere), the entropy [B, T-1] of each position predicting one,
     log π of each token [B, T] and log π of each candidate [B, T, K]; the sampled-token mask)."""
     mask, at = sampled_positions(batch)
-    lp, cl, en = packed_scores(model, batch, at)
+    lp, cl, en = packed_scores(model, batch, at, share_prefix)
     loss, m = _packed_loss(lp, cl, batch, at, correction)
     logp, cand, ent = unpacked_scores(lp.detach(), cl.detach(), en, at, batch)
     return loss, m, ent, logp, cand, mask
@@ -137,6 +137,9 @@ class Trainer:
     `compute_dtype`, by default `cfg.trainer_dtype`, FP32 for reference comparisons). Samplers
     get BF16 weights whatever the trainer computes in."""
 
+    share_prefix = True
+    """Score a prompt the rows of a group share once (scoring.shared_prefix)."""
+
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig,
                  compute_dtype: torch.dtype | None = None) -> None:
         compute_dtype = compute_dtype or TORCH_DTYPES[cfg.trainer_dtype]
@@ -187,14 +190,15 @@ class Trainer:
     def step(self, batch: Batch) -> StepMetrics:
         """One corrected GRPO step; returns its metrics. Runs on `self.threads`
         intra-op threads when set (the process's count is restored after)."""
-        with torch_threads(self.threads), bf16_gemms(), \
+        with torch_threads(self.threads), bf16_gemms(masked=True), \
                 head_numerics(self._loss_model(), self.cfg.lm_head):
             return self._step(batch)
 
     def _step(self, batch: Batch) -> StepMetrics:
         model = self._loss_model()
         model.zero_grad(set_to_none=True)
-        loss, m, ent, logp, cand, mask = batch_loss(model, self._rows(batch), self.cfg.correction)
+        loss, m, ent, logp, cand, mask = batch_loss(model, self._rows(batch), self.cfg.correction,
+                                                    self.share_prefix)
         loss_value = self._backward(loss, m)
         with torch.no_grad():
             grad_norm = self._apply_gradients()

@@ -28,8 +28,10 @@ GPU); the FP32 kernel keeps them in FP32, so it is closer to the float64 attenti
 (tests/test_bf16_gemm.py: relative error 1.6–1.9e-3 against up to 4.6e-3 for the gradients at
 the trainer's shape, where one BF16 rounding is 2⁻⁹ ≈ 2e-3). On an AVX-512 core with
 AVX-512-BF16 it is 1.2× faster; where BF16 GEMMs take torch's fallback path, 3.6–3.9×
-(scripts/bench_bf16_gemm.py). A masked call takes SDPA's other path and is left alone, as is the
-module path below (its decode loops run the engine's own attention).
+(scripts/bench_bf16_gemm.py). A call with an explicit mask (the scorer's left-padded rows) is
+left alone unless the block asks for it (`masked=True`: the trainer's step, whose rows continue
+from a shared prompt's keys under a mask), as is the module path below (its decode loops run
+the engine's own attention).
 
 The choice, once per process: `MISMATCH_BF16_GEMM=native` keeps torch's kernels, `fp32` always
 reroutes, `auto` (the default) reroutes unless the CPU has AVX-512-BF16 or AMX-BF16 (Linux's
@@ -161,14 +163,15 @@ def _bf16_cpu(ts) -> bool:
     return all(_is_bf16_cpu(t) for t in ts)
 
 
-def _fp32_attention(func, args, kwargs):
+def _fp32_attention(func, args, kwargs, masked: bool):
     """CPU flash attention of BF16 tensors as the FP32 kernel on their values: each BF16 output
     (the forward's output; the backward's gradients) rounded once to BF16, the FP32 logsumexp
-    kept (module docstring, "Attention")."""
+    kept (module docstring, "Attention"). A call with a mask only when `masked` (a BF16 additive
+    mask widened to FP32 with the rest, a boolean one as it is)."""
     n = _ATTENTION[func]
-    if kwargs.get("attn_mask") is not None or not _bf16_cpu(args[:n]):
+    if (kwargs.get("attn_mask") is not None and not masked) or not _bf16_cpu(args[:n]):
         return func(*args, **kwargs)
-    out = func(*[_up(a) for a in args[:n]], *args[n:], **kwargs)
+    out = func(*[_up(a) for a in args[:n]], *args[n:], **{k: _up(v) for k, v in kwargs.items()})
     if func is _FLASH:
         return out[0].to(_BF16), out[1]
     return tuple(g.to(_BF16) for g in out)
@@ -176,16 +179,17 @@ def _fp32_attention(func, args, kwargs):
 
 class FP32Accumulation(TorchDispatchMode):
     """Inside: a BF16 GEMM on CPU tensors runs as the FP32 GEMM of its values, rounded to BF16;
-    so does torch's CPU flash attention, forward and backward (unless `attention=False`)."""
+    so does torch's CPU flash attention, forward and backward (unless `attention=False`; a
+    masked call only with `masked=True`)."""
 
-    def __init__(self, attention: bool = True) -> None:
+    def __init__(self, attention: bool = True, masked: bool = False) -> None:
         super().__init__()
-        self.attention = attention
+        self.attention, self.masked = attention, masked
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.attention and func in _ATTENTION:
-            return _fp32_attention(func, args, kwargs)
+            return _fp32_attention(func, args, kwargs, self.masked)
         n = _GEMMS.get(func)
         if n is not None and kwargs.get("out_dtype") in (None, _BF16):
             operands = args[:n]
@@ -196,16 +200,17 @@ class FP32Accumulation(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def bf16_gemms(policy: str | None = None, *, attention: bool = True) -> Iterator[bool]:
-    """Run the block's BF16 CPU GEMMs (and, with `attention`, its CPU flash attention) in FP32
-    on BF16 values where the CPU's BF16 GEMM is slow (`policy`: 'fp32' or 'native'; default
-    `bf16_gemm_policy()`). Yields whether it reroutes. Nested use is free: an enclosing block
-    already rerouting is kept."""
+def bf16_gemms(policy: str | None = None, *, attention: bool = True,
+               masked: bool = False) -> Iterator[bool]:
+    """Run the block's BF16 CPU GEMMs (and, with `attention`, its CPU flash attention; with
+    `masked`, its masked calls too) in FP32 on BF16 values where the CPU's BF16 GEMM is slow
+    (`policy`: 'fp32' or 'native'; default `bf16_gemm_policy()`). Yields whether it reroutes.
+    Nested use is free: an enclosing block already rerouting is kept."""
     policy = _policy(policy, "bf16_gemms")
     if policy == "native" or _active():
         yield policy == "fp32"
         return
-    with FP32Accumulation(attention):
+    with FP32Accumulation(attention, masked):
         yield True
 
 
