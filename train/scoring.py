@@ -183,8 +183,21 @@ def _shared_logits_at(model: torch.nn.Module, ids: torch.Tensor, shared, seq: to
     cache.batch_select_indices(which)
     t = ids.shape[1]
     positions = torch.arange(p, t)[None].expand(ids.shape[0], -1)
-    return _logits_at(model, ids[:, p:], None, seq, pos - p, position_ids=positions,
-                      past_key_values=cache)
+    return _logits_at(model, ids[:, p:], _suffix_mask(model.config, p, t), seq, pos - p,
+                      position_ids=positions, past_key_values=cache)
+
+
+def _suffix_mask(config, p: int, t: int) -> torch.Tensor | None:
+    """The suffix's causal mask over the whole row, [1, 1, T − P, T] (position P + i sees
+    0 … P + i), one for every row: transformers would build it per row, [B, 1, T − P, T], and
+    attention would read (and widen) B copies. None (transformers builds it) for a model with
+    sliding-window layers, whose masks differ by layer."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types) or (
+            getattr(config, "sliding_window", None) is not None
+            and getattr(config, "use_sliding_window", True)):
+        return None
+    return (torch.arange(t)[None, :] <= torch.arange(p, t)[:, None])[None, None]
 
 
 def packed_scores(model: torch.nn.Module, batch: Batch, at, share_prefix: bool = True):
