@@ -218,30 +218,6 @@ def test_masked_attention_when_asked_is_the_fp32_kernel_too():
         assert err < 2.5e-3 and err <= err_native * 1.05, (name, err, err_native)
 
 
-def test_fp32_attention_under_the_native_policy_reroutes_attention_alone():
-    """The trainer's block (`fp32_attention=True`) under the native GEMM policy: attention,
-    masked or not, is the FP32 kernel (as under the fp32 policy, bit for bit), each GEMM torch's
-    own; a block inside that asks for the fp32 policy still reroutes its GEMMs."""
-    q, k, v = _bf(2, 4, 30, 32), _bf(2, 2, 40, 32, seed=1), _bf(2, 2, 40, 32, seed=2)
-    mask = torch.ones(30, 40, dtype=torch.bool).tril(diagonal=10)
-    a, b = _bf(64, 96), _bf(96, 80, seed=1)
-
-    def attend(**kw):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                                enable_gqa=True)
-
-    with bf16_gemms("fp32", masked=True):
-        want = attend()
-    with bf16_gemms("native", fp32_attention=True) as rerouted:
-        got, native_mm = attend(), a @ b
-        with bf16_gemms("fp32") as inner:
-            inner_mm = a @ b
-    assert not rerouted and inner
-    assert torch.equal(got, want) and not torch.equal(got, attend())  # torch's BF16 kernel
-    assert torch.equal(native_mm, a @ b)
-    assert torch.equal(inner_mm, (a.float() @ b.float()).to(BF))
-
-
 def test_nested_blocks_and_native_policy():
     a, b = _bf(8, 16), _bf(16, 8, seed=1)
     with bf16_gemms("native") as rerouted:

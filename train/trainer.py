@@ -189,10 +189,8 @@ class Trainer:
 
     def step(self, batch: Batch) -> StepMetrics:
         """One corrected GRPO step; returns its metrics. Runs on `self.threads`
-        intra-op threads when set (the process's count is restored after). BF16 GEMMs as
-        `bf16_gemms` decides for this CPU; attention as torch's CPU flash kernel in FP32 on the
-        BF16 values on every CPU (mismatch.kernels.bf16_gemm, "Attention")."""
-        with torch_threads(self.threads), bf16_gemms(fp32_attention=True), \
+        intra-op threads when set (the process's count is restored after)."""
+        with torch_threads(self.threads), bf16_gemms(masked=True), \
                 head_numerics(self._loss_model(), self.cfg.lm_head):
             return self._step(batch)
 

@@ -27,13 +27,11 @@ the softmax probabilities to BF16 before multiplying them by V (as FlashAttentio
 GPU); the FP32 kernel keeps them in FP32, so it is closer to the float64 attention, not farther
 (tests/test_bf16_gemm.py: relative error 1.6–1.9e-3 against up to 4.6e-3 for the gradients at
 the trainer's shape, where one BF16 rounding is 2⁻⁹ ≈ 2e-3). On an AVX-512 core with
-AVX-512-BF16 it is 1.2× faster (the backward of the trainer's masked suffix attention 1.5×);
-where BF16 GEMMs take torch's fallback path, 3.6–3.9× (scripts/bench_bf16_gemm.py). The
-trainer's step therefore takes it on every CPU (`fp32_attention=True`: one attention kernel
-whatever the GEMM policy; masked calls included, its rows continuing from a shared prompt's
-keys under a mask). Elsewhere a call with an explicit mask (the scorer's left-padded rows) is
-left alone unless the block asks for it (`masked=True`), as is the module path below (its
-decode loops run the engine's own attention).
+AVX-512-BF16 it is 1.2× faster; where BF16 GEMMs take torch's fallback path, 3.6–3.9×
+(scripts/bench_bf16_gemm.py). A call with an explicit mask (the scorer's left-padded rows) is
+left alone unless the block asks for it (`masked=True`: the trainer's step, whose rows continue
+from a shared prompt's keys under a mask), as is the module path below (its decode loops run
+the engine's own attention).
 
 The choice, once per process: `MISMATCH_BF16_GEMM=native` keeps torch's kernels, `fp32` always
 reroutes, `auto` (the default) reroutes unless the CPU has AVX-512-BF16 or AMX-BF16 (Linux's
@@ -180,19 +178,19 @@ def _fp32_attention(func, args, kwargs, masked: bool):
 
 
 class FP32Accumulation(TorchDispatchMode):
-    """Inside: a BF16 GEMM on CPU tensors runs as the FP32 GEMM of its values, rounded to BF16
-    (unless `gemms=False`); so does torch's CPU flash attention, forward and backward (unless
-    `attention=False`; a masked call only with `masked=True`)."""
+    """Inside: a BF16 GEMM on CPU tensors runs as the FP32 GEMM of its values, rounded to BF16;
+    so does torch's CPU flash attention, forward and backward (unless `attention=False`; a
+    masked call only with `masked=True`)."""
 
-    def __init__(self, attention: bool = True, masked: bool = False, gemms: bool = True) -> None:
+    def __init__(self, attention: bool = True, masked: bool = False) -> None:
         super().__init__()
-        self.attention, self.masked, self.gemms = attention, masked, gemms
+        self.attention, self.masked = attention, masked
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.attention and func in _ATTENTION:
             return _fp32_attention(func, args, kwargs, self.masked)
-        n = _GEMMS.get(func) if self.gemms else None
+        n = _GEMMS.get(func)
         if n is not None and kwargs.get("out_dtype") in (None, _BF16):
             operands = args[:n]
             if _bf16_cpu(t for t in operands if t is not None):
@@ -202,33 +200,24 @@ class FP32Accumulation(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def bf16_gemms(policy: str | None = None, *, attention: bool = True, masked: bool = False,
-               fp32_attention: bool = False) -> Iterator[bool]:
+def bf16_gemms(policy: str | None = None, *, attention: bool = True,
+               masked: bool = False) -> Iterator[bool]:
     """Run the block's BF16 CPU GEMMs (and, with `attention`, its CPU flash attention; with
     `masked`, its masked calls too) in FP32 on BF16 values where the CPU's BF16 GEMM is slow
-    (`policy`: 'fp32' or 'native'; default `bf16_gemm_policy()`). Yields whether the GEMMs are
-    rerouted. `fp32_attention`: the CPU flash attention, masked calls included, is rerouted
-    whatever the policy (the trainer's step: one attention kernel on every CPU). Nested use is
-    free: an enclosing block already rerouting is kept."""
+    (`policy`: 'fp32' or 'native'; default `bf16_gemm_policy()`). Yields whether it reroutes.
+    Nested use is free: an enclosing block already rerouting is kept."""
     policy = _policy(policy, "bf16_gemms")
-    if _active():
+    if policy == "native" or _active():
         yield policy == "fp32"
         return
-    if policy == "native":
-        with FP32Accumulation(True, True, gemms=False) if fp32_attention \
-                else contextlib.nullcontext():
-            yield False
-        return
-    with FP32Accumulation(attention or fp32_attention, masked or fp32_attention):
+    with FP32Accumulation(attention, masked):
         yield True
 
 
 def _active() -> bool:
-    """Whether an enclosing block reroutes the GEMMs."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return any(isinstance(m, FP32Accumulation) and m.gemms
-               for m in _get_current_dispatch_mode_stack())
+    return any(isinstance(m, FP32Accumulation) for m in _get_current_dispatch_mode_stack())
 
 
 def _fp32_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
