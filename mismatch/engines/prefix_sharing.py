@@ -47,7 +47,8 @@ def copy_shared(cache, routing: torch.Tensor | None, state: list, rows: Sequence
                 inputs: Sequence[Sequence[int]], computed: list[int], source: list[int]) -> int:
     """After the computed rows' forward: give each shared row's slot the KV (`cache`, a
     SlotCache), the routing record ([slots, capacity, L, k] or None) and the token list (`state`,
-    the engine's per-slot states) of the row it shares with; returns the prompt tokens copied."""
+    the engine's per-slot states: its prompt) of the row it shares with; returns the prompt
+    tokens copied."""
     copies = [(rows[computed[j]], rows[i], len(inputs[i])) for i, j in enumerate(source)
               if computed[j] != i]
     src = torch.tensor([c[0] for c in copies], dtype=torch.long)
@@ -57,6 +58,7 @@ def copy_shared(cache, routing: torch.Tensor | None, state: list, rows: Sequence
     cache.copy_prefix(src.to(device), dst.to(device), n)
     if routing is not None:
         routing[dst, :n] = routing[src, :n]
-    for s, d, k in copies:
-        state[d].tokens = list(state[s].tokens[:k])
+    for i, j in enumerate(source):
+        if computed[j] != i:
+            state[rows[i]].tokens = list(inputs[i])
     return sum(c[2] for c in copies)
