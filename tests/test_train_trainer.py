@@ -561,6 +561,82 @@ def test_rows_that_share_too_little_are_scored_whole(grouped_batch):
     assert shared_prefix(b, sampled_positions(replace(b, mask=early))[1]) is None
 
 
+def test_suffix_buckets_are_the_cheapest_split_of_the_rows_by_length():
+    """suffix_buckets partitions the rows into at most 3 runs of the sorted lengths, the
+    modelled cost's minimum (checked against every split), and splits off a long outlier."""
+    import itertools
+    import random
+
+    from mismatch.train import scoring
+
+    p = 100
+    outlier = torch.tensor([p + 20] * 40 + [p + 90])
+    assert [r.tolist() for r in scoring.suffix_buckets(outlier, p)] == [list(range(40)), [40]]
+    assert [r.tolist() for r in scoring.suffix_buckets(torch.full((8,), p + 30), p)] == [
+        list(range(8))]
+    assert len(scoring.suffix_buckets(outlier, p, max_buckets=1)) == 1
+
+    def cost(need, bucket_rows):
+        return sum(len(r) * (int(need[r].max()) - p) * (int(need[r].max())
+                                                        + scoring._BUCKET_KEYS_PER_TOKEN)
+                   + scoring._BUCKET_FIXED for r in bucket_rows)
+
+    rng = random.Random(0)
+    for _ in range(30):
+        need = torch.tensor([p + rng.choice([1, 5, 30, 31, 60, 140, 141]) for _ in range(24)])
+        got = scoring.suffix_buckets(need, p)
+        rows = torch.cat(got).sort().values
+        assert torch.equal(rows, torch.arange(24))  # every row once
+        assert all(torch.equal(r, r.sort().values) for r in got) and len(got) <= 3
+        assert all(int(need[a].max()) < int(need[b].min()) for a, b in zip(got, got[1:]))
+        values = need.unique().tolist()
+        best = min(
+            cost(need, [torch.nonzero((need >= values[i]) & (need <= values[j - 1]))[:, 0]
+                        for i, j in zip((0,) + cuts, cuts + (len(values),))])
+            for k in range(3) for cuts in itertools.combinations(range(1, len(values)), k))
+        assert cost(need, got) == pytest.approx(best)
+
+
+def test_suffixes_in_buckets_give_the_one_batch_numbers(model, grouped_batch, monkeypatch):
+    """Rows run in buckets of their own length (every bucket split taken here) give the numbers
+    of one batch of whole-length rows: log-probs, loss and gradients to FP32 rounding in FP32;
+    in BF16 no further from a float64 reference."""
+    from mismatch.engines.hf_attention import eager_experts
+    from mismatch.train import scoring
+    from mismatch.train.trainer import batch_loss
+
+    splits, buckets = [], scoring.suffix_buckets
+
+    def spied(need, p, max_buckets=None):
+        out = buckets(need, p, max_buckets)
+        splits.append([len(r) for r in out])
+        return out
+
+    monkeypatch.setattr(scoring, "suffix_buckets", spied)
+    b = grouped_batch
+    runs = {}
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        net = copy.deepcopy(model).to(dtype).train()
+        with eager_experts(net):
+            runs[dtype] = []
+            for fixed, most in ((0.0, 3), (0.0, 1)):  # buckets wherever lengths differ; one
+                monkeypatch.setattr(scoring, "_BUCKET_FIXED", fixed)
+                monkeypatch.setattr(scoring, "_MAX_BUCKETS", most)
+                runs[dtype].append(_grads_of(net, lambda: batch_loss(net, b, "sc+mis")))
+    assert splits[0] != [6] and sum(splits[0]) == 6 and splits[1] == [6], splits
+    (s_loss, s_logp, s_cand, mask, s_grads), (loss, logp, cand, _, grads) = runs[torch.float32]
+    assert torch.allclose(s_logp[mask], logp[mask], rtol=0, atol=2e-5)
+    assert torch.allclose(s_cand[mask], cand[mask], rtol=0, atol=2e-5)
+    assert torch.allclose(s_loss, loss, rtol=1e-5, atol=1e-7)
+    assert float((s_grads - grads).norm()) <= 1e-5 * float(grads.norm())
+    ref_logp, ref_grads = runs[torch.float64][1][1], runs[torch.float64][1][4]
+    assert torch.allclose(runs[torch.float64][0][1], ref_logp, rtol=0, atol=1e-10)
+    (_, s_logp, _, _, s_grads), (_, logp, _, _, grads) = runs[torch.bfloat16]
+    err = float((logp - ref_logp)[mask].abs().mean())
+    assert 0 < float((s_logp - ref_logp)[mask].abs().mean()) <= 1.25 * err
+    assert float((s_grads - ref_grads).norm()) <= 1.25 * float((grads - ref_grads).norm())
+
+
 def test_lockstep_trainer_takes_the_idle_samplers_threads(model, monkeypatch):
     from mismatch.train.trainer import PipelineConfig, Trainer, lockstep_threads
 

@@ -10,11 +10,14 @@ entropy [N]; `unpacked_scores` puts them back in place as [B, T], [B, T, K], [B,
 The rows of a GRPO group begin with the same prompt; where nothing before position P is scored,
 those P positions run once per group and the group's rows continue from their keys and values
 (`shared_prefix`; a 16 × 8 step of the embedded model's arithmetic tasks shares ~116 of its
-~270 positions per row).
+~270 positions per row), and the rows continue in buckets of similar length (`suffix_buckets`):
+a step's longest episode often runs tens of positions past the next, and in one batch every row
+would run as long.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -22,7 +25,7 @@ import torch
 from .batch import Batch
 
 __all__ = ["token_scores", "right_padded", "sampled_positions", "packed_scores",
-           "unpacked_scores"]
+           "unpacked_scores", "suffix_buckets"]
 
 
 class _TokenScores(torch.autograd.Function):
@@ -168,10 +171,11 @@ def _shared_logits_at(model: torch.nn.Module, ids: torch.Tensor, shared, seq: to
     G distinct prefixes [G, P] into a KV cache (its output head on their last position alone),
     each row takes its prefix's keys and values (an index, so their gradients sum over the
     group's rows in the backward) and the model runs positions P… of every row on them (Prefix
-    Grouper: Liu et al. 2025, arXiv:2506.05433). The same function of the weights as the
-    per-row forward; in BF16 it rounds otherwise (other GEMM shapes, the suffix's attention on
-    its masked path). None for a model without transformers' causal-LM interface
-    (`logits_to_keep`, a cache that selects rows): the caller runs the whole rows."""
+    Grouper: Liu et al. 2025, arXiv:2506.05433). The rows' suffixes run in buckets of similar
+    length (`suffix_buckets`), each only as long as its longest row needs. The same function of
+    the weights as the per-row forward; in BF16 it rounds otherwise (other GEMM shapes, the
+    suffix's attention on its masked path). None for a model without transformers' causal-LM
+    interface (`logits_to_keep`, a cache that selects rows): the caller runs the whole rows."""
     p, first, which = shared
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return None  # not a transformers causal LM
@@ -180,11 +184,85 @@ def _shared_logits_at(model: torch.nn.Module, ids: torch.Tensor, shared, seq: to
     cache = getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
-    cache.batch_select_indices(which)
-    t = ids.shape[1]
-    positions = torch.arange(p, t)[None].expand(ids.shape[0], -1)
-    return _logits_at(model, ids[:, p:], _suffix_mask(model.config, p, t), seq, pos - p,
-                      position_ids=positions, past_key_values=cache)
+    b = ids.shape[0]
+    need = torch.full((b,), p + 1, dtype=torch.long).scatter_reduce_(0, seq, pos + 2, "amax")
+    buckets = suffix_buckets(need, p)
+    parts, order = [], []
+    for rows in buckets:
+        whole = len(buckets) == 1
+        t = int(need[rows].max())
+        if whole:
+            part_cache, sel, local = cache, None, seq
+        else:
+            part_cache = copy.copy(cache)  # the prefix's tensors, this bucket's own selection
+            part_cache.layers = [copy.copy(layer) for layer in cache.layers]
+            in_bucket = torch.zeros(b, dtype=torch.bool).index_fill_(0, rows, True)
+            sel = in_bucket[seq].nonzero()[:, 0]
+            local = torch.empty(b, dtype=torch.long).index_copy_(
+                0, rows, torch.arange(len(rows)))[seq[sel]]
+        part_cache.batch_select_indices(which[rows])
+        positions = torch.arange(p, t)[None].expand(len(rows), -1)
+        logits = _logits_at(model, ids[rows, p:t], _suffix_mask(model.config, p, t), local,
+                            (pos if sel is None else pos[sel]) - p, position_ids=positions,
+                            past_key_values=part_cache)
+        if whole:
+            return logits
+        parts.append(logits)
+        order.append(sel)
+    return torch.cat(parts).index_select(0, torch.argsort(torch.cat(order)))
+
+
+_BUCKET_KEYS_PER_TOKEN = 400
+"""A suffix position's work outside attention, in units of attention against one key (the
+embedded model's layers: ~300 kFLOP of projections and experts per position and layer against
+~0.5 kFLOP per key, with the attention backward slower per FLOP on CPU)."""
+_BUCKET_FIXED = 1.5e6
+"""A bucket's fixed cost (one more forward and backward through every layer), in the same
+units: ~1% of a 16 × 8 step's suffixes."""
+_MAX_BUCKETS = 3
+"""Buckets at most: more rarely pay for their fixed cost (a 16 × 8 step measured on two)."""
+
+
+def suffix_buckets(need: torch.Tensor, p: int, max_buckets: int | None = None
+                   ) -> list[torch.Tensor]:
+    """The rows [B] split into at most `max_buckets` buckets of rows of similar length, each
+    bucket's rows (ascending) running to its longest row's `need` (positions 0 … need−1; the
+    rows' shared prefix is 0 … p−1): the split that minimizes the suffixes' modelled cost,
+    Σ rows × (len − p) × (len + _BUCKET_KEYS_PER_TOKEN) + _BUCKET_FIXED per bucket (dynamic
+    programming over the distinct lengths). A batch whose one long row would make every row
+    run as long — a 16 × 8 step's longest episode is often tens of positions past the next —
+    runs the others shorter."""
+    max_buckets = max_buckets or _MAX_BUCKETS
+    values, counts = torch.unique(need, return_counts=True)
+    v, c = values.tolist(), counts.tolist()
+    d = len(v)
+    rows_upto = [0]
+    for n in c:
+        rows_upto.append(rows_upto[-1] + n)
+
+    def cost(i: int, j: int) -> float:  # one bucket of the lengths v[i..j]
+        return ((rows_upto[j + 1] - rows_upto[i]) * (v[j] - p) * (v[j] + _BUCKET_KEYS_PER_TOKEN)
+                + _BUCKET_FIXED)
+
+    inf = float("inf")
+    best = [[inf] * d for _ in range(max_buckets)]  # best[k][j]: lengths v[0..j] in k+1 buckets
+    cut = [[0] * d for _ in range(max_buckets)]
+    for j in range(d):
+        best[0][j] = cost(0, j)
+    for k in range(1, max_buckets):
+        for j in range(k, d):
+            for i in range(k, j + 1):
+                total = best[k - 1][i - 1] + cost(i, j)
+                if total < best[k][j]:
+                    best[k][j], cut[k][j] = total, i
+    k = min(range(max_buckets), key=lambda k: best[k][d - 1])
+    bounds, j = [], d - 1
+    while k > 0:
+        i = cut[k][j]
+        bounds.append((i, j))
+        j, k = i - 1, k - 1
+    bounds.append((0, j))
+    return [torch.nonzero((need >= v[i]) & (need <= v[j]))[:, 0] for i, j in reversed(bounds)]
 
 
 def _suffix_mask(config, p: int, t: int) -> torch.Tensor | None:
