@@ -186,7 +186,8 @@ def _shared_logits_at(model: torch.nn.Module, ids: torch.Tensor, shared, seq: to
         return None
     b = ids.shape[0]
     need = torch.full((b,), p + 1, dtype=torch.long).scatter_reduce_(0, seq, pos + 2, "amax")
-    buckets = suffix_buckets(need, p)
+    # a bucket takes its rows from a shallow copy of the cache's layers (transformers' Cache)
+    buckets = suffix_buckets(need, p) if hasattr(cache, "layers") else [torch.arange(b)]
     parts, order = [], []
     for rows in buckets:
         whole = len(buckets) == 1
