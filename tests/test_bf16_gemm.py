@@ -243,6 +243,7 @@ def test_policy_from_the_environment_and_the_cpu(monkeypatch):
         with bf16_gemms("bf16"):
             pass
     monkeypatch.setenv(BF16_GEMM_ENV, "auto")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)  # the flags alone decide (below)
     for flags, policy in (({"avx2", "fma"}, "fp32"), ({"avx512f", "avx512_bf16"}, "native"),
                           ({"avx512f", "amx_bf16", "amx_tile"}, "native"),
                           ({"avx512f", "avx512bw"}, "fp32")):
@@ -276,7 +277,11 @@ def test_the_module_path_equals_the_dispatch_path_on_the_embedded_model():
 
     model = load_model(dtype="bfloat16").eval()
     ids = torch.randint(3, 500, (3, 17), generator=torch.Generator().manual_seed(0))
-    own = model.lm_head.forward = lambda x: torch.nn.functional.linear(x, model.lm_head.weight)
+    # a forward of its own, in FP32 (no BF16 GEMM for either path to reroute: the dispatch path
+    # would reroute a BF16 one and the module path leave it, which differ where torch's BF16
+    # GEMM rounds otherwise, as its fallback on a CPU without AVX-512-BF16 does)
+    own = model.lm_head.forward = lambda x: torch.nn.functional.linear(
+        x.float(), model.lm_head.weight.float()).to(x.dtype)
     with torch.no_grad():
         with bf16_gemms("fp32", attention=False):  # the module path leaves attention alone
             ref = model(input_ids=ids).logits
