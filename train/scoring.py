@@ -166,7 +166,7 @@ def shared_prefix(batch: Batch, at) -> tuple[int, torch.Tensor, torch.Tensor] | 
 
 
 def _shared_logits_at(model: torch.nn.Module, ids: torch.Tensor, shared, seq: torch.Tensor,
-                      pos: torch.Tensor) -> torch.Tensor | None:
+                      pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """_logits_at without attention mask, the shared prefixes computed once: the model runs the
     G distinct prefixes [G, P] into a KV cache (its output head on their last position alone),
     each row takes its prefix's keys and values (an index, so their gradients sum over the
@@ -174,8 +174,10 @@ def _shared_logits_at(model: torch.nn.Module, ids: torch.Tensor, shared, seq: to
     Grouper: Liu et al. 2025, arXiv:2506.05433). The rows' suffixes run in buckets of similar
     length (`suffix_buckets`), each only as long as its longest row needs. The same function of
     the weights as the per-row forward; in BF16 it rounds otherwise (other GEMM shapes, the
-    suffix's attention on its masked path). None for a model without transformers' causal-LM
-    interface (`logits_to_keep`, a cache that selects rows): the caller runs the whole rows."""
+    suffix's attention on its masked path). Returns the logits [N, V] and, when the rows ran in
+    more than one bucket, the packed index of each of those logits (bucket by bucket; None: in
+    packed order). None for a model without transformers' causal-LM interface
+    (`logits_to_keep`, a cache that selects rows): the caller runs the whole rows."""
     p, first, which = shared
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return None  # not a transformers causal LM
@@ -207,10 +209,10 @@ def _shared_logits_at(model: torch.nn.Module, ids: torch.Tensor, shared, seq: to
                             (pos if sel is None else pos[sel]) - p, position_ids=positions,
                             past_key_values=part_cache)
         if whole:
-            return logits
+            return logits, None
         parts.append(logits)
         order.append(sel)
-    return torch.cat(parts).index_select(0, torch.argsort(torch.cat(order)))
+    return torch.cat(parts), torch.cat(order)
 
 
 _BUCKET_KEYS_PER_TOKEN = 400
@@ -285,11 +287,17 @@ def packed_scores(model: torch.nn.Module, batch: Batch, at, share_prefix: bool =
     attention = None if right_padded(batch.attention) else batch.attention
     seq, pos = at[0], at[1] - 1                                   # position pos predicts pos+1
     shared = shared_prefix(batch, at) if share_prefix else None
-    logits = None if shared is None else _shared_logits_at(model, batch.ids, shared, seq, pos)
-    if logits is None:
-        logits = _logits_at(model, batch.ids, attention, seq, pos)
+    found = None if shared is None else _shared_logits_at(model, batch.ids, shared, seq, pos)
+    logits, order = found if found is not None else \
+        (_logits_at(model, batch.ids, attention, seq, pos), None)
     rows = max(1, _SCORE_CHUNK // max(1, logits.shape[-1]))
-    return _TokenScores.apply(logits, batch.ids[at], batch.cand_ids[at], rows)
+    labels, cands = batch.ids[at], batch.cand_ids[at]
+    if order is None:
+        return _TokenScores.apply(logits, labels, cands, rows)
+    # the logits in bucket order: score them so and put the scores (not the [N, V] logits) back
+    scores = _TokenScores.apply(logits, labels[order], cands[order], rows)
+    back = torch.argsort(order)
+    return tuple(x.index_select(0, back) for x in scores)
 
 
 def unpacked_scores(lp, cl, en, at, batch: Batch):
