@@ -379,10 +379,13 @@ def test_ranked_topk_ranks_nan_first():
 
 
 def test_the_kv_cache_hands_tiled_attention_a_view_and_sdpa_a_copy(model):
-    """Tiled attention widens K and V to FP32 itself, so the cache gives it a view of its store
-    (no compact BF16 copy first); torch SDPA, any lane on it, or no block at all get a compact
-    copy as before. The values are the same either way."""
-    from mismatch.engines.hf_attention import emulated_attention, lane_attention, reads_widened
+    """Tiled attention reads K and V in FP32, so under a block where every row attends with it
+    the cache stores them widened as they are written and hands attention a view of its store
+    (no compact copy, no widening per call); torch SDPA, any lane on it, or no block at all get a
+    compact copy in the compute dtype. The values are the same bits either way, and a cache made
+    under one block hands another block what it reads."""
+    from mismatch.engines.hf_attention import (emulated_attention, kv_store_rounding,
+                                               lane_attention, reads_widened)
     from mismatch.engines.kv_cache import SlotCache
 
     fa3 = KERNEL_FAMILIES["fa3"]
@@ -402,3 +405,19 @@ def test_the_kv_cache_hands_tiled_attention_a_view_and_sdpa_a_copy(model):
             assert (k.data_ptr() == cache.keys[0][1:3, :, :3].data_ptr()) is widened
             assert torch.equal(k, cache.keys[0][1:3, :, :3]) and k.shape == (2, 2, 3, 8)
             assert torch.equal(v, cache.values[0][1:3, :, :3])
+            assert k.dtype == v.dtype == cache.keys[0].dtype == \
+                (torch.float32 if widened else torch.bfloat16)
+            # an FP8 cache (where the block has lanes, the first one's) rounds what it stores
+            fp8 = kv_store_rounding() is not None
+            want_k, want_v = (quantize_kv(new), quantize_kv(new + 1)) if fp8 else (new, new + 1)
+            assert torch.equal(k, want_k.to(k.dtype)) and torch.equal(v, want_v.to(v.dtype))
+    fa2 = KERNEL_FAMILIES["fa2"]
+    with emulated_attention(model, fa2, False):  # made for a tiled kernel: stored in FP32
+        cache = SlotCache(1, 4, 2, 8, 16, torch.bfloat16, torch.device("cpu"))
+    rows = torch.tensor([1, 2])
+    cache.plan(rows, torch.tensor([0, 0]), torch.tensor([3, 3]), 3, 3)
+    new = torch.randn(2, 2, 3, 8).bfloat16()
+    with emulated_attention(model, None, False):  # read by torch SDPA: a BF16 copy
+        k, v = cache.update(new, new + 1, 0)
+    assert cache.keys[0].dtype == torch.float32 and k.dtype == v.dtype == torch.bfloat16
+    assert k.is_contiguous() and torch.equal(k, new) and torch.equal(v, new + 1)

@@ -121,7 +121,9 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     The query heads sharing a KV head are computed as extra rows of one matrix product against
     that head's keys (as GQA kernels do), so K and V are never copied per query head; K and V
-    are widened to FP32 once per call."""
+    are widened to FP32 once per call (not at all when they come in FP32: a KV cache may store
+    its values, all of the input dtype, widened once as they are written). The input dtype, the
+    one P is rounded to before P·V, is q's."""
     b, h, tq, d = q.shape
     hkv = k.shape[1]
     if h % hkv:
@@ -141,7 +143,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     per = max(tile, math.ceil(tk / splits / tile) * tile)
     blocked = ~allowed
     parts = [_partial(qf, kf[:, :, s0:s0 + per], vf[:, :, s0:s0 + per],
-                      blocked[..., s0:s0 + per], scale, family, tile, v.dtype)
+                      blocked[..., s0:s0 + per], scale, family, tile, q.dtype)
              for s0 in range(0, tk, per)]
     if len(parts) == 1:
         m, l, o = parts[0]

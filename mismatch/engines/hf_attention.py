@@ -113,8 +113,9 @@ def kv_store_rounding() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] 
 
 def reads_widened() -> bool:
     """Whether every row of this thread's active block attends with a tiled kernel family, which
-    widens the keys and values it is handed to FP32 (a fresh compact copy from any layout): a KV
-    cache may then hand attention a view of its store instead of a compact copy of its own."""
+    reads the keys and values it is handed in FP32 (widening them itself, from any layout): a KV
+    cache made under such a block stores them widened as they are written and hands attention a
+    view of its store instead of a compact copy of its own."""
     stack = _stack()
     if not stack:
         return False

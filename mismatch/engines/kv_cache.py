@@ -12,8 +12,12 @@ is rounded once as it is written, as a serving engine's FP8 cache stores it (und
 the positions of rows whose lane has an FP8 cache), and what `update`
 returns is marked as rounded so that attention does not round the whole cache again. The block
 in force when the cache is made is the one it serves: an update under another raises. Where
-every row attends with a tiled kernel (which widens K and V to FP32 itself) and the batch's
-slots are contiguous, attention gets a view of the store, not a compact BF16 copy first.
+every row of that block attends with a tiled kernel (which reads K and V in FP32), the store
+holds the compute dtype's values widened to FP32 once, as they are written, instead of at every
+attention call (a decode step widened the whole cache, every layer); where the batch's slots are
+contiguous attention then gets a view of the store, not a compact copy. The values are the same
+bits either way: widening BF16/FP16 to FP32 is exact, and an FP8 rounding of the widened values
+is the rounding of the narrow ones.
 """
 
 from __future__ import annotations
@@ -37,8 +41,11 @@ class SlotCache(Cache):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(layers=[])
         shape = (slots, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.dtype = dtype  # the values' dtype (the compute dtype)
+        self._widened = reads_widened()  # stored widened to FP32 for a tiled kernel's reads
+        store = torch.float32 if self._widened else dtype
+        self.keys = [torch.zeros(shape, dtype=store, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=store, device=device) for _ in range(layers)]
         self._plan: tuple | None = None
         self._rounding = kv_store_rounding()  # how every position of this cache is stored
 
@@ -83,18 +90,19 @@ class SlotCache(Cache):
         if rounding is not self._rounding:
             raise RuntimeError("this KV cache was made under another KV cache format than the "
                                "one active now; use one engine per apply_numerics block")
-        widened = reads_widened()  # tiled attention copies it to FP32 itself
+        widened = reads_widened()  # a tiled kernel reads K and V in FP32, from any layout
         out = []
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             cache = store[layer_idx]
-            written = new.transpose(1, 2)[b_idx, j_idx].to(cache.dtype)
+            written = new.transpose(1, 2)[b_idx, j_idx].to(self.dtype).to(cache.dtype)
             cache[slot_idx, :, pos_idx] = (written if rounding is None
                                             else rounding(written, b_idx))
             if span is not None:  # the batch's slots in a row: a view, or one compact copy
                 view = cache[span[0]:span[1], :, :tk]  # (attention streams it many times)
-                out.append(view if widened else view.contiguous())
+                out.append(view if widened else view.to(self.dtype).contiguous())
             else:
-                out.append(cache[:, :, :tk].index_select(0, rows))
+                picked = cache[:, :, :tk].index_select(0, rows)
+                out.append(picked if widened else picked.to(self.dtype))
         if rounding is not None:
             mark_rounded(*out)
         return out[0], out[1]
