@@ -380,23 +380,26 @@ def test_ranked_topk_ranks_nan_first():
 
 def test_the_kv_cache_hands_tiled_attention_a_view_and_sdpa_a_copy(model):
     """Tiled attention reads K and V in FP32, so under a block where every row attends with it
-    the cache stores them widened as they are written and hands attention a view of its store
-    (no compact copy, no widening per call); torch SDPA, any lane on it, or no block at all get a
-    compact copy in the compute dtype. The values are the same bits either way, and a cache made
+    the cache hands attention a view of its store (no compact copy), and, where the rows attend in
+    one call, stores them widened as they are written (no widening per call); torch SDPA, any
+    lane on it, or no block at all get a compact copy in the compute dtype. The values are the same bits either way, and a cache made
     under one block hands another block what it reads."""
     from mismatch.engines.hf_attention import (emulated_attention, kv_store_rounding,
-                                               lane_attention, reads_widened)
+                                               lane_attention, reads_widened, stores_widened)
     from mismatch.engines.kv_cache import SlotCache
 
     fa3 = KERNEL_FAMILIES["fa3"]
-    cases = [(contextlib.nullcontext(), False),
-             (emulated_attention(model, None, False), False),
-             (emulated_attention(model, fa3, True), True),
-             (lane_attention(model, [(fa3, True), (KERNEL_FAMILIES["fa2"], False)]), True),
-             (lane_attention(model, [(fa3, True), (None, False)]), False)]
-    for block, widened in cases:
+    # (block, attention reads FP32, the cache stores FP32): a lane block whose rows attend in
+    # several calls (one per kernel family and cache format) keeps the compute dtype
+    cases = [(contextlib.nullcontext(), False, False),
+             (emulated_attention(model, None, False), False, False),
+             (emulated_attention(model, fa3, True), True, True),
+             (lane_attention(model, [(fa3, True), (fa3, True)]), True, True),
+             (lane_attention(model, [(fa3, True), (KERNEL_FAMILIES["fa2"], False)]), True, False),
+             (lane_attention(model, [(fa3, True), (None, False)]), False, False)]
+    for block, widened, wide_store in cases:
         with block:
-            assert reads_widened() is widened
+            assert reads_widened() is widened and stores_widened() is wide_store
             cache = SlotCache(1, 4, 2, 8, 16, torch.bfloat16, torch.device("cpu"))
             cache.plan(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([3, 3]), 3, 3)
             new = torch.randn(2, 2, 3, 8).bfloat16()
@@ -406,7 +409,7 @@ def test_the_kv_cache_hands_tiled_attention_a_view_and_sdpa_a_copy(model):
             assert torch.equal(k, cache.keys[0][1:3, :, :3]) and k.shape == (2, 2, 3, 8)
             assert torch.equal(v, cache.values[0][1:3, :, :3])
             assert k.dtype == v.dtype == cache.keys[0].dtype == \
-                (torch.float32 if widened else torch.bfloat16)
+                (torch.float32 if wide_store else torch.bfloat16)
             # an FP8 cache (where the block has lanes, the first one's) rounds what it stores
             fp8 = kv_store_rounding() is not None
             want_k, want_v = (quantize_kv(new), quantize_kv(new + 1)) if fp8 else (new, new + 1)

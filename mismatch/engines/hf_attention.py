@@ -31,7 +31,7 @@ from .attention import KernelFamily, quantize_kv, tiled_attention
 from .lanes import rows_by_lane
 
 __all__ = ["ATTN_IMPL", "emulated_attention", "lane_attention", "eager_experts", "reads_widened",
-           "fp8_kv_cache", "kv_store_rounding", "mark_rounded"]
+           "stores_widened", "fp8_kv_cache", "kv_store_rounding", "mark_rounded"]
 
 ATTN_IMPL = "mismatch_emulated"
 
@@ -114,8 +114,8 @@ def kv_store_rounding() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] 
 def reads_widened() -> bool:
     """Whether every row of this thread's active block attends with a tiled kernel family, which
     reads the keys and values it is handed in FP32 (widening them itself, from any layout): a KV
-    cache made under such a block stores them widened as they are written and hands attention a
-    view of its store instead of a compact copy of its own."""
+    cache may then hand attention a view of its store instead of a compact copy of its own (and
+    store them widened: `stores_widened`)."""
     stack = _stack()
     if not stack:
         return False
@@ -123,6 +123,19 @@ def reads_widened() -> bool:
     if isinstance(top, _Lanes):
         return all(family is not None for family, _ in top.lanes)
     return top[0] is not None
+
+
+def stores_widened() -> bool:
+    """Whether a KV cache made under this thread's active block should store its keys and values
+    widened to FP32: where every row attends with a tiled kernel (`reads_widened`) in one call.
+    Where the rows of a lane block attend in several calls (several kernel families or cache
+    formats), each call gathers its rows' keys and values from the cache at every layer and step,
+    and gathering from a store twice as wide reads twice the memory: measured slower on the
+    study's mixed fleet (reports/benchmarks.md), so such a cache stores the compute dtype."""
+    if not reads_widened():
+        return False
+    top = _stack()[-1]
+    return not isinstance(top, _Lanes) or len(set(top.lanes)) == 1
 
 
 def mark_rounded(*tensors: torch.Tensor) -> None:

@@ -12,12 +12,13 @@ is rounded once as it is written, as a serving engine's FP8 cache stores it (und
 the positions of rows whose lane has an FP8 cache), and what `update`
 returns is marked as rounded so that attention does not round the whole cache again. The block
 in force when the cache is made is the one it serves: an update under another raises. Where
-every row of that block attends with a tiled kernel (which reads K and V in FP32), the store
+every row of that block attends with one tiled kernel (which reads K and V in FP32), the store
 holds the compute dtype's values widened to FP32 once, as they are written, instead of at every
-attention call (a decode step widened the whole cache, every layer); where the batch's slots are
-contiguous attention then gets a view of the store, not a compact copy. The values are the same
-bits either way: widening BF16/FP16 to FP32 is exact, and an FP8 rounding of the widened values
-is the rounding of the narrow ones.
+attention call (a decode step widened the whole cache, every layer); a lane block whose rows
+attend in several calls keeps the compute dtype (hf_attention.stores_widened). Where every row
+attends with a tiled kernel and the batch's slots are contiguous, attention gets a view of the
+store, not a compact copy. The values are the same bits either way: widening BF16/FP16 to FP32
+is exact, and an FP8 rounding of the widened values is the rounding of the narrow ones.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .hf_attention import kv_store_rounding, mark_rounded, reads_widened
+from .hf_attention import kv_store_rounding, mark_rounded, reads_widened, stores_widened
 
 __all__ = ["SlotCache"]
 
@@ -42,7 +43,7 @@ class SlotCache(Cache):
         super().__init__(layers=[])
         shape = (slots, kv_heads, capacity, head_dim)
         self.dtype = dtype  # the values' dtype (the compute dtype)
-        self._widened = reads_widened()  # stored widened to FP32 for a tiled kernel's reads
+        self._widened = stores_widened()  # stored widened to FP32 for a tiled kernel's reads
         store = torch.float32 if self._widened else dtype
         self.keys = [torch.zeros(shape, dtype=store, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=store, device=device) for _ in range(layers)]
