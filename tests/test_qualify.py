@@ -121,6 +121,31 @@ def test_bad_input_exits_2_and_leaves_nothing(tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".q.tmp-*"))
 
 
+def test_an_output_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, monkeypatch):
+    """The verdict is reached but its folder cannot be written (a full disk): one line, exit 2,
+    and the folder as it was (written together or not at all)."""
+    import errno
+
+    import mismatch.app.qualify as app_qualify
+    import mismatch.cli.qualify as cli_qualify
+    from mismatch.app.qualify import verdict_result
+
+    body = json.loads((Path(__file__).parent / "data" / "probe-results" /
+                       "sources-results.json").read_text())
+    body.pop("command")
+    v = verdict_result(load_policy(), body, mode="emulated", sampler="b200-nvfp4")
+    out = tmp_path / "q"
+    monkeypatch.setattr(cli_qualify, "_emulated", lambda *a, **k: (out, v))
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(app_qualify, "write_outputs", full)
+    _check_one_line_error(_qualify("--gpu", "b200", "--dtype", "nvfp4", "--out", str(out)),
+                          "No space left on device")
+    assert not out.exists()
+
+
 def test_a_launched_servers_log_is_kept_in_the_output_folder(tmp_path):
     """`qualify --launch`: the server's log goes into the output folder as server.log, written
     with the verdict (or not at all), and the verdict names that copy; a verdict of a server
@@ -147,6 +172,9 @@ def test_a_launched_servers_log_is_kept_in_the_output_folder(tmp_path):
     assert kept_launch(v, out) == (v, None)
     write_outputs(tmp_path / "e", v, "mismatch qualify --gpu b200 --dtype nvfp4")
     assert not (tmp_path / "e" / SERVER_LOG).exists()
+    gone = replace(v, launched=Launched(engine="vllm", model="embedded",
+                                        log=str(tmp_path / "removed.log")))
+    assert kept_launch(gone, tmp_path / "g") == (gone, None)  # no log to keep: no copy, no crash
 
 
 def test_verdict_record_is_the_json_written_and_printed():

@@ -318,10 +318,13 @@ SERVER_LOG = "server.log"
 def kept_launch(result: Verdict, out: Path) -> tuple[Verdict, Path | None]:
     """A launched server's verdict as written to `out`: its `launched.log` names the copy in the
     output folder (out/server.log), with the log where the server wrote it; (result, None) when
-    nothing was launched."""
+    nothing was launched, or when its log is no longer there (removed while the probe ran: the
+    verdict then names the path the server wrote, and no copy is made)."""
     if result.launched is None:
         return result, None
     source = Path(result.launched.log)
+    if not source.is_file():
+        return result, None
     kept = replace(result.launched, log=str(Path(out).resolve() / SERVER_LOG))
     return replace(result, launched=kept), source
 

@@ -74,7 +74,11 @@ def qualify_command(
     except ValueError as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     result, server_log = kept_launch(result, target)
-    write_outputs(target, result, command, server_log)
+    try:
+        write_outputs(target, result, command, server_log)
+    except OSError as exc:  # the folder is left as it was (written together or not at all)
+        fail(f"could not write {target}: {exc.strerror or exc}; choose another --out or free "
+             "space there and run again")
     if server_log is not None:
         server_log.unlink(missing_ok=True)  # kept in the output folder
     _print_verdict(result, target, as_json)
