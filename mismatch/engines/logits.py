@@ -63,17 +63,21 @@ def process_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 _NUMPY_SELECT = (torch.float32, torch.float64)
 
 
-def _kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
+def _has_nan(x: torch.Tensor) -> bool:
+    return x.is_floating_point() and bool(torch.isnan(x).any())
+
+
+def _kth_largest(x: torch.Tensor, k: int, nan: bool | None = None) -> torch.Tensor:
     """[B, V] → [B, 1]: each row's k-th largest value (a value of the row; ties do not change
     it). On a CPU, rows of FP32/FP64 without NaN go through numpy's introselect
     (`np.partition`), 5-10× faster than torch's `topk` on a decode step's [64, 768] logits; torch
-    and numpy agree on NaN (the largest) but are kept apart where one occurs."""
+    and numpy agree on NaN (the largest) but are kept apart where one occurs. `nan`: whether x
+    holds a NaN, where the caller knows (checked here otherwise)."""
     if x.device.type == "cpu" and x.dtype in _NUMPY_SELECT and x.dim() == 2 \
-            and not x.requires_grad:
+            and not x.requires_grad and not (_has_nan(x) if nan is None else nan):
         a = x.numpy()
-        if not np.isnan(a).any():
-            v = a.shape[-1]
-            return torch.from_numpy(np.partition(a, v - k, axis=-1)[:, v - k:v - k + 1])
+        v = a.shape[-1]
+        return torch.from_numpy(np.partition(a, v - k, axis=-1)[:, v - k:v - k + 1])
     return x.topk(k, dim=-1).values[:, -1:]
 
 
@@ -85,9 +89,10 @@ def ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     machines), so a candidate list and a nucleus ranked by either alone may disagree on a tie.
     NaN ranks above every number (as `topk` and a descending `sort` put it), NaNs by id."""
     k = min(k, x.shape[-1])
-    kth = _kth_largest(x, k)
+    nan_found = _has_nan(x)
+    kth = _kth_largest(x, k, nan_found)
     above, tied = x > kth, x == kth
-    if x.is_floating_point() and bool(torch.isnan(x).any()):  # NaN ranks first, as in topk
+    if nan_found:  # NaN ranks first, as in topk
         nan, kth_nan = torch.isnan(x), torch.isnan(kth)
         above = (above | nan) & ~kth_nan
         tied = torch.where(kth_nan, nan, tied)
