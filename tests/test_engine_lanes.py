@@ -105,6 +105,45 @@ def test_each_row_of_a_lane_batch_is_its_lanes_own(model, tok, names):
     assert not torch.equal(mixed[0], bf16[0])
 
 
+def test_lanes_that_attend_alike_read_the_kv_cache_in_place(model, tok, monkeypatch):
+    """H100 FP8 and H100 BF16 rows attend alike (FA3, FP8 cache): their lane batch attends in
+    one call per layer, on the KV cache's own store (a view: the batch's slots are consecutive),
+    not on a gather of every row; lanes that attend differently get one call each, on their own
+    rows. Bits: test_each_row_of_a_lane_batch_is_its_lanes_own."""
+    import mismatch.engines.hf_attention as hf
+    from mismatch.engines.engine import Engine
+    from mismatch.engines.lane_numerics import apply_lane_numerics
+    from mismatch.engines.logits import SamplingParams
+    from mismatch.engines.requests import Request
+
+    calls = []
+    attend = hf._attend
+
+    def spy(query, key, *args):
+        calls.append((query.shape[0], key))
+        return attend(query, key, *args)
+
+    monkeypatch.setattr(hf, "_attend", spy)
+    params = SamplingParams(max_new_tokens=3, candidates=4)
+    prompts = [list(range(5, 5 + n)) for n in (9, 14, 6, 11)]
+    for names, per_forward in ((("h100-fp8", "h100-bf16"), 1), (("h100-fp8", "a100-bf16"), 2)):
+        groups = [next(g for g in _groups() if g.name == name) for name in names]
+        scales = _scales(model, tok, groups)
+        calls.clear()
+        engine = Engine(model, pad_id=0, eos_ids=[], slots=len(prompts))
+        with apply_lane_numerics(model, [(g.spec, scales[g.name]) for g in groups]):
+            engine.run([Request(prompt=p, params=params, forced=[40, 41, 42], lane=i % 2)
+                        for i, p in enumerate(prompts)])
+        layers = model.config.num_hidden_layers
+        assert len(calls) == engine.stats.steps * layers * per_forward
+        if per_forward == 1:
+            store = {t.untyped_storage().data_ptr() for t in engine._cache.keys}
+            assert all(rows == len(prompts) and key.untyped_storage().data_ptr() in store
+                       for rows, key in calls)
+        else:
+            assert all(rows == len(prompts) // 2 for rows, _ in calls)
+
+
 def test_a_mixed_batch_samples_what_each_group_alone_samples(model, tok):
     """Episodes of every group in one batch, interleaved, against each group's episodes served
     alone. Up to the batch's composition, the same: the same tokens, log-probs equal at most

@@ -177,15 +177,15 @@ def _emulated_attention(module, query, key, value, attention_mask, dropout=0.0, 
         family, kv_fp8 = top
         return _attend(query, key, value, attention_mask, scaling, family, kv_fp8,
                        rounded).contiguous(), None
-    parts = rows_by_lane()
-    if len(parts) == 1:
-        family, kv_fp8 = top.lanes[parts[0][0]]
+    sets = top.parts()
+    if len(sets) == 1:  # the lanes present attend alike: one call on the batch as it comes
+        (family, kv_fp8), _ = sets[0]
         return _attend(query, key, value, attention_mask, scaling, family, kv_fp8,
                        rounded).contiguous(), None
     b, h, tq, _ = query.shape
     out = query.new_empty(b, tq, h, value.shape[-1])
     per_row = attention_mask is not None and attention_mask.shape[0] == b and b > 1
-    for (family, kv_fp8), rows in top.parts():
+    for (family, kv_fp8), rows in sets:
         mask = attention_mask.index_select(0, rows) if per_row else attention_mask
         out[rows] = _attend(query.index_select(0, rows), key.index_select(0, rows),
                             value.index_select(0, rows), mask, scaling, family, kv_fp8, rounded)
