@@ -11,6 +11,7 @@ land, and how the metrics see the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import replace
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from mismatch.kernels.bf16_gemm import bf16_gemms
+from mismatch.kernels.flash_backward import fp32_attention_backward
 from mismatch.metrics import kl_estimators
 from mismatch.runtime import torch_threads
 
@@ -190,7 +192,8 @@ class Trainer:
     def step(self, batch: Batch) -> StepMetrics:
         """One corrected GRPO step; returns its metrics. Runs on `self.threads`
         intra-op threads when set (the process's count is restored after)."""
-        with torch_threads(self.threads), bf16_gemms(masked=True), \
+        with torch_threads(self.threads), bf16_gemms(masked=True) as rerouted, \
+                (contextlib.nullcontext() if rerouted else fp32_attention_backward()), \
                 head_numerics(self._loss_model(), self.cfg.lm_head):
             return self._step(batch)
 
