@@ -40,9 +40,8 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["fp32_attention_backward", "flash_attention_fp32_backward"]
 
-_aten = torch.ops.aten
-_FLASH = _aten._scaled_dot_product_flash_attention_for_cpu.default
-_FLASH_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+from .bf16_gemm import _FLASH, _FLASH_BACKWARD, _fp32_attention
+
 _BF16 = torch.bfloat16
 
 
@@ -57,10 +56,11 @@ class _FlashFP32Backward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, mask = ctx.saved_tensors
-        gq, gk, gv = _FLASH_BACKWARD(
-            grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0,
-            ctx.causal, attn_mask=None if mask is None else mask.float(), scale=ctx.scale)
-        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None
+        # the FP32 kernel on the BF16 values, each gradient rounded once (bf16_gemm's reroute)
+        gq, gk, gv = _fp32_attention(_FLASH_BACKWARD, (grad_out, q, k, v, out, lse, 0.0,
+                                                       ctx.causal),
+                                     {"attn_mask": mask, "scale": ctx.scale}, masked=True)
+        return gq, gk, gv, None, None, None
 
 
 def _takes_flash(q, k, v, mask, dropout_p, is_causal, enable_gqa) -> bool:
