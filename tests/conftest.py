@@ -172,3 +172,22 @@ def tok():
     from mismatch.zoo import load_tokenizer
 
     return load_tokenizer()
+
+
+def grpo_batch(model, tok, samples: int):
+    """Units 3 and 4 (two GRPO groups of `samples` arithmetic episodes each, rewards 0, 1, 0, …),
+    sampled by the homogeneous fleet's group with the embedded model, as one right-padded
+    trainer batch."""
+    from mismatch.train.batch import Unit, build_batch, task_of
+    from mismatch.train.fleet import fleet
+    from mismatch.train.rollout import run_episodes
+
+    group = fleet("homogeneous")[0]
+    units = []
+    for u in (3, 4):
+        eps = run_episodes(model, tok, [task_of(u, 0, ("arith",))] * samples, group, version=0,
+                           max_turns=2, max_new_tokens=40, top_k_candidates=16, seed=u)
+        for j, ep in enumerate(eps):
+            ep.reward = float(j % 2)
+        units.append(Unit(index=u, group=group.name, version=0, episodes=eps, seconds=0.0))
+    return build_batch(units, step=0, pad_id=tok.pad_token_id)

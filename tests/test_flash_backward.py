@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import grpo_batch
 
 from mismatch.kernels.flash_backward import (flash_attention_fp32_backward,
                                              fp32_attention_backward)
@@ -109,20 +110,9 @@ def test_the_trainers_step_keeps_its_loss_and_kl_and_moves_its_gradients(model, 
 
     from mismatch.kernels.bf16_gemm import bf16_gemm_policy
     from mismatch.train import trainer as trainer_mod
-    from mismatch.train.batch import Unit, build_batch, task_of
     from mismatch.train.config import preset_config
-    from mismatch.train.fleet import fleet
-    from mismatch.train.rollout import run_episodes
 
-    group = fleet("homogeneous")[0]
-    units = []
-    for u in (3, 4):
-        eps = run_episodes(model, tok, [task_of(u, 0, ("arith",))] * 4, group, version=0,
-                           max_turns=2, max_new_tokens=40, top_k_candidates=16, seed=u)
-        for j, ep in enumerate(eps):
-            ep.reward = float(j % 2)
-        units.append(Unit(index=u, group=group.name, version=0, episodes=eps, seconds=0.0))
-    batch = build_batch(units, step=0, pad_id=tok.pad_token_id)
+    batch = grpo_batch(model, tok, 4)
     cfg = preset_config("homogeneous", prompts_per_step=2, samples_per_prompt=4,
                         tasks="arith", correction="grpo", sync=True, threads=1)
     entered = []

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import grpo_batch
 
 from mismatch.probes.monitor import MonitorConfig
 from mismatch.train.batch import Unit, build_batch
@@ -446,19 +447,7 @@ def test_fused_scores_equal_the_full_log_softmax(model, padded_batch, arm):
 @pytest.fixture(scope="module")
 def grouped_batch(model, tok):
     """Two prompts, three episodes each (two GRPO groups), right-padded."""
-    from mismatch.train.fleet import fleet
-    from mismatch.train.rollout import run_episodes
-    from mismatch.train.batch import task_of
-
-    group = fleet("homogeneous")[0]
-    units = []
-    for u in (3, 4):
-        eps = run_episodes(model, tok, [task_of(u, 0, ("arith",))] * 3, group, version=0,
-                           max_turns=2, max_new_tokens=40, top_k_candidates=16, seed=u)
-        for j, ep in enumerate(eps):
-            ep.reward = float(j % 2)
-        units.append(Unit(index=u, group=group.name, version=0, episodes=eps, seconds=0.0))
-    return build_batch(units, step=0, pad_id=tok.pad_token_id)
+    return grpo_batch(model, tok, 3)
 
 
 def _grads_of(net, fn):

@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["fp32_attention_backward", "flash_attention_fp32_backward"]
-
 from .bf16_gemm import _FLASH, _FLASH_BACKWARD, _fp32_attention
+
+__all__ = ["fp32_attention_backward", "flash_attention_fp32_backward"]
 
 _BF16 = torch.bfloat16
 
