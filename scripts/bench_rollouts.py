@@ -16,9 +16,15 @@ side by side in one run (these machines are noisy: only ratios measured together
 4. Asynchronous vs `--sync` steps per minute, both with sampler processes (goal ≥ 1.0×).
 5. Under load (`load`): the homogeneous step of both trees again with one CPU-bound competing
    process per core running; the speed-up under load against the quiet one (goal ≥ 75%).
+6. What a mixed half costs (`mixcost`, this tree only): each of the two halves the lockstep
+   step gives its sampler processes, sampled in this process on one thread as it is, with every
+   group's GEMMs as BF16's (no weight or activation format, FP32 accumulation), with every
+   group's attention and KV cache as the homogeneous fleet's, and as the homogeneous fleet
+   itself; rounds interleaved, medians. The differences say which numerics the mixed step pays
+   for (changed numerics sample other tokens: the tokens are printed beside the seconds).
 
     python scripts/bench_rollouts.py --baseline-tree DIR [--steps 3] [--report FILE]
-        [--sections steps,decode,async]
+        [--sections steps,decode,async,load,mixcost]
 
 The first line is the CPU's model and vector extensions (whether it has fast BF16). Section
 `steps` also gives the mixed / homogeneous step ratio of each tree (goal ≤ 1.3×: a mixed fleet's
@@ -48,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tree import tree_command  # noqa: E402
 from bench_metrics import cpu_line  # noqa: E402
 
-SECTIONS = ("steps", "decode", "async", "load")
+SECTIONS = ("steps", "decode", "async", "load", "mixcost")
 TRAIN = ["--prompts", "16", "--samples", "8", "--tasks", "arith", "--eval-tasks",
          "0", "--correction", "grpo", "--threads", "1", "-q"]
 
@@ -231,6 +237,8 @@ def main() -> None:
     if "load" in sections:
         load_section(args.baseline_tree, old_runs.get("homogeneous"),
                      step_runs.get("homogeneous"), args.steps, say)
+    if "mixcost" in sections:
+        mixcost_section(model, tok, say)
     if args.report:
         stamp = datetime.date.today().isoformat()
         cmd = "python scripts/bench_rollouts.py " + " ".join(sys.argv[1:])
@@ -259,6 +267,61 @@ def decode_section(model, tok, say) -> None:
         say(f"{label:34} {dt:11.2f} {n / dt:12.0f} {(n / dt) / (loop_tokens / loop):8.2f}x")
     say(f"{'nvfp4 / bf16 (emulated) time':34} "
         f"{results['engine, emulated b200 nvfp4'] / results['engine, emulated b200 bf16']:11.2f}x")
+
+
+def mixcost_section(model, tok, say, rounds: int = 3) -> None:
+    """Section 6 (module docstring): the study's mixed step, its units claimed in order."""
+    import dataclasses
+
+    from mismatch.train.config import preset_config
+    from mismatch.train.fleet import fleet
+    from mismatch.train.pipeline import _halves
+    from mismatch.train.unit_sampling import sample_units
+
+    def config(preset):
+        return preset_config(preset, prompts_per_step=16, samples_per_prompt=8, tasks="arith")
+
+    cfg = config("mixed")
+    groups = fleet(cfg.fleet)
+    homog = fleet(config("homogeneous").fleet)[0]
+    base = homog.spec
+
+    def variant(group, what: str):
+        spec = group.spec
+        if what == "homogeneous fleet":
+            return homog
+        if what == "GEMMs as BF16":
+            spec = dataclasses.replace(spec, weight_codec=None, activation_codec=None,
+                                       accumulation="fp32", split_k=base.split_k)
+        elif what == "attention as homogeneous":
+            spec = dataclasses.replace(spec, attention=base.attention, kv_codec=base.kv_codec,
+                                       kv_cache=base.kv_cache)
+        return dataclasses.replace(group, spec=spec)
+
+    whats = ["as is", "GEMMs as BF16", "attention as homogeneous", "homogeneous fleet"]
+    say("")
+    say(f"{'mixed half, in-process, 1 thread':34} {'seconds':>11} {'tokens':>12} "
+        f"{'vs as is':>9}")
+    halves = _halves([(u, groups[u % len(groups)]) for u in range(cfg.prompts_per_step)])
+    for i, half in enumerate(halves):
+        units = [u for u, _ in half]
+        took: dict[str, list[float]] = {w: [] for w in whats}
+        tokens: dict[str, int] = {}
+        for r in range(rounds):
+            for what in whats if r % 2 else whats[::-1]:
+                gs = [variant(g, what) for _, g in half]
+                scales: dict = {}
+                sample_units(model, tok, cfg, gs, units, 0, scales=scales)  # calibrated, warm
+                t0 = time.perf_counter()
+                eps = sample_units(model, tok, cfg, gs, units, 0, scales=scales)
+                took[what].append(time.perf_counter() - t0)
+                tokens[what] = sum(sum(e.sampled_mask) for e in eps)
+        kinds = ", ".join(dict.fromkeys(g.name for _, g in half))
+        say(f"half {i}: {kinds}")
+        first = statistics.median(took["as is"])
+        for what in whats:
+            sec = statistics.median(took[what])
+            say(f"{'  ' + what:34} {sec:11.2f} {tokens[what]:12d} {sec - first:+8.2f}s")
 
 
 def _competitors(n: int) -> list[subprocess.Popen]:
