@@ -23,7 +23,7 @@ side by side in one run (these machines are noisy: only ratios measured together
    itself; rounds interleaved, medians. The differences say which numerics the mixed step pays
    for (changed numerics sample other tokens: the tokens are printed beside the seconds).
 
-    python scripts/bench_rollouts.py --baseline-tree DIR [--steps 3] [--report FILE]
+    python scripts/bench_rollouts.py [--baseline-tree DIR] [--steps 3] [--report FILE]
         [--sections steps,decode,async,load,mixcost]
 
 The first line is the CPU's model and vector extensions (whether it has fast BF16). Section
@@ -177,8 +177,9 @@ def bare_train(model, batch: int, length: int, repeats: int = 2) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline-tree", type=Path, required=True,
-                    help="a checkout of the code to compare with (git worktree add DIR REV)")
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="a checkout of the code to compare with (git worktree add DIR REV); "
+                         "sections steps and load need it")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--report", type=Path, default=None)
     ap.add_argument("--sections", default=",".join(SECTIONS),
@@ -188,6 +189,9 @@ def main() -> None:
     if not sections or any(x not in SECTIONS for x in sections):
         raise SystemExit(f"bench_rollouts: --sections takes some of {', '.join(SECTIONS)}; "
                          f"got {args.sections!r}")
+    if args.baseline_tree is None and {"steps", "load"} & set(sections):
+        raise SystemExit("bench_rollouts: sections steps and load compare with an older "
+                         "checkout; pass --baseline-tree DIR (git worktree add DIR REV)")
     torch.set_num_threads(1)
     from mismatch.runtime import tune_allocator
 
