@@ -424,3 +424,42 @@ def test_the_kv_cache_hands_tiled_attention_a_view_and_sdpa_a_copy(model):
         k, v = cache.update(new, new + 1, 0)
     assert cache.keys[0].dtype == torch.float32 and k.dtype == v.dtype == torch.bfloat16
     assert k.is_contiguous() and torch.equal(k, new) and torch.equal(v, new + 1)
+
+
+def test_the_nucleus_after_top_k_is_the_sorted_one_bit_for_bit(monkeypatch):
+    """With top-k truncation the nucleus is cut from the top-k ranking the step already has, not
+    from a stable sort of the whole row: the same log-probs to the bit, on BF16-valued logits
+    (ties everywhere, as a BF16 head gives) and ±0; a batch with a row of fewer finite values
+    than k, or with NaN, takes the sort."""
+    from mismatch.engines import logits as lg
+
+    g = torch.Generator().manual_seed(7)
+    clean = (torch.randn(40, 768, generator=g) * 4).bfloat16().float()  # many equal values
+    clean[4, :300] = 0.0
+    clean[4, 300:400] = -0.0
+    clean[6] = 1.5  # one value everywhere
+    short = clean.clone()
+    short[3, 20:] = float("-inf")  # fewer finite values than k
+    nan = clean.clone()
+    nan[5, 9] = float("nan")
+
+    def sorting(*args, **kwargs):
+        raise AssertionError("the nucleus sorted a batch it had the ranking of")
+
+    for x, ranked_path in ((clean, True), (short, False), (nan, False)):
+        for top_k, top_p, temperature in [(64, 0.97, 1.0), (8, 0.5, 0.7), (1, 0.9, 1.0),
+                                           (700, 0.99, 1.3), (768, 0.9, 1.0), (64, 1.0, 1.0)]:
+            params = SamplingParams(top_k=top_k, top_p=top_p, temperature=temperature)
+            got = lg.process_logits(x, params)
+            z = x / temperature
+            vals, ids = lg.ranked_topk(z, top_k)
+            z = torch.full_like(z, float("-inf")).scatter(-1, ids, vals)
+            want = torch.log_softmax(lg._nucleus(z, top_p, None) if top_p < 1 else z, dim=-1)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (top_k, top_p)
+            kept = torch.isfinite(got).sum(-1)
+            assert int(kept.max()) <= top_k and int(kept[[0, 1, 2]].min()) >= 1
+            if ranked_path and top_p < 1 and top_k < x.shape[-1]:
+                with monkeypatch.context() as m:
+                    m.setattr(torch.Tensor, "sort", sorting)
+                    fast = lg._nucleus(z, top_p, (vals, ids))
+                assert torch.equal(fast, lg._nucleus(z, top_p, None))

@@ -113,14 +113,41 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         out = torch.full_like(logits, float("-inf"))
         return out.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
     z = logits / params.temperature
+    ranked = None
     if params.top_k:  # exactly k tokens, ties at the boundary to the lowest ids
         vals, ids = ranked_topk(z, params.top_k)
         z = torch.full_like(z, float("-inf")).scatter(-1, ids, vals)
+        ranked = vals, ids
     if params.top_p < 1:
-        sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
-        probs = torch.softmax(sorted_z, dim=-1)
-        # keep a token if the mass before it is < top_p (the first token is always kept)
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        sorted_z = sorted_z.masked_fill(drop, float("-inf"))
-        z = torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
+        z = _nucleus(z, params.top_p, ranked)
     return torch.log_softmax(z, dim=-1)
+
+
+def _nucleus(z: torch.Tensor, top_p: float,
+             ranked: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """[B, V] → z with −inf outside each row's nucleus: the tokens ranked by value descending,
+    then id ascending (a stable sort), kept while the mass before them is < top_p under the
+    softmax of the whole sorted row.
+
+    `ranked`: the rows' top-k (values, ids) by that same rule when z is −inf everywhere else
+    (top-k truncation). The stable sort of such a row is then the top-k ranking followed by the
+    −inf entries, so the sorted row is built from it instead of sorted again — the same tensor,
+    so the same softmax and cumulative sums to the bit — except where a top-k value is itself
+    −inf (fewer finite values than k: the −inf entries interleave by id) or NaN, which sort."""
+    width = z.shape[-1]
+    if ranked is not None and ranked[0].shape[-1] < width:
+        vals, ids = ranked
+        last = vals[:, -1]
+        if not bool((torch.isneginf(last) | torch.isnan(vals).any(-1)).any()):
+            tail = vals.new_full((vals.shape[0], width - vals.shape[-1]), float("-inf"))
+            sorted_z = torch.cat([vals, tail], dim=-1)
+            probs = torch.softmax(sorted_z, dim=-1)
+            drop = (probs.cumsum(-1) - probs) >= top_p
+            kept = vals.masked_fill(drop[:, :vals.shape[-1]], float("-inf"))
+            return torch.full_like(z, float("-inf")).scatter(-1, ids, kept)
+    sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_z, dim=-1)
+    # keep a token if the mass before it is < top_p (the first token is always kept)
+    drop = (probs.cumsum(-1) - probs) >= top_p
+    sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+    return torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
