@@ -135,19 +135,18 @@ def _nucleus(z: torch.Tensor, top_p: float,
     so the same softmax and cumulative sums to the bit — except where a top-k value is itself
     −inf (fewer finite values than k: the −inf entries interleave by id) or NaN, which sort."""
     width = z.shape[-1]
+    sorted_z = None
     if ranked is not None and ranked[0].shape[-1] < width:
-        vals, ids = ranked
-        last = vals[:, -1]
-        if not bool((torch.isneginf(last) | torch.isnan(vals).any(-1)).any()):
+        vals, order = ranked
+        if not bool((torch.isneginf(vals[:, -1]) | torch.isnan(vals).any(-1)).any()):
             tail = vals.new_full((vals.shape[0], width - vals.shape[-1]), float("-inf"))
             sorted_z = torch.cat([vals, tail], dim=-1)
-            probs = torch.softmax(sorted_z, dim=-1)
-            drop = (probs.cumsum(-1) - probs) >= top_p
-            kept = vals.masked_fill(drop[:, :vals.shape[-1]], float("-inf"))
-            return torch.full_like(z, float("-inf")).scatter(-1, ids, kept)
-    sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
+    if sorted_z is None:
+        sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
     probs = torch.softmax(sorted_z, dim=-1)
-    # keep a token if the mass before it is < top_p (the first token is always kept)
+    # keep a token if the mass before it is < top_p (the first token is always kept); the
+    # −inf tail of a ranked row stays −inf, so only the ranked head is written back
     drop = (probs.cumsum(-1) - probs) >= top_p
-    sorted_z = sorted_z.masked_fill(drop, float("-inf"))
-    return torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
+    n = order.shape[-1]
+    kept = sorted_z[:, :n].masked_fill(drop[:, :n], float("-inf"))
+    return torch.full_like(z, float("-inf")).scatter(-1, order, kept)
