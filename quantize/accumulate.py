@@ -139,6 +139,9 @@ class KSlices:
     """[S, mma_k, N] bfloat16, float32 or float64."""
     k: int
     """K before padding."""
+    e4m3: bool = False
+    """Whether every value is an E4M3 value (what the native CPU kernel takes,
+    mismatch.kernels.native)."""
 
     @staticmethod
     def of(b: torch.Tensor, mma_k: int) -> "KSlices":
@@ -152,7 +155,12 @@ class KSlices:
                 break
         values = torch.zeros(s * mma_k, n, dtype=dtype, device=b.device)
         values[:k] = b
-        return KSlices(values.view(s, mma_k, n), k)
+        # E4M3 values survive a round trip through E4M3 (values past its range, NaN and inf
+        # do not: the cast gives NaN or another value)
+        e4m3 = b.dtype == torch.float8_e4m3fn or (
+            dtype == torch.bfloat16 and
+            torch.equal(values.to(torch.float8_e4m3fn).to(dtype), values))
+        return KSlices(values.view(s, mma_k, n), k, e4m3)
 
     @property
     def shape(self) -> tuple[int, int]:

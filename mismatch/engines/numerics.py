@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from mismatch.quantize import encode, get_codec
-from mismatch.quantize.accumulate import KSlices, accumulate_matmul_batched, resolve
+from mismatch.quantize.accumulate import KSlices, resolve
 from mismatch.quantize.formats import E4M3_MAX, div_scalar
 
 from ..kernels import accumulate_gemm, fake_quant
+from ..kernels.gemm import accumulate_gemm_grouped
 from ..kernels.bf16_gemm import bf16_module_gemms
 from ..profiles import NumericsSpec
 from .attention import KERNEL_FAMILIES
@@ -144,21 +145,17 @@ class _Emulator:
     def expert_gemms(self, entries: list[ServedLinear], xs: list[torch.Tensor],
                      xqs: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """A fused MoE stage's GEMMs, one per expert hit: `gemm(xs[i], entries[i], xqs[i])`
-        each. FP8 under an accumulation model on CPU runs them as one batched accumulation-model
-        GEMM (accumulate_matmul_batched: the same bits, one call instead of one per expert)."""
+        each. FP8 under an accumulation model on CPU runs them as one grouped accumulation-model
+        GEMM (kernels.accumulate_gemm_grouped: the same bits, one call instead of one per
+        expert)."""
         if xqs is None or len(entries) < 2 or self.amax is not None or \
                 xqs[0].device.type != "cpu" or not all(
                     e.group_slices is not None and e.cols == (0, e.group_slices.values.shape[2])
                     for e in entries):
             return [self.gemm(x, e, None if xqs is None else q)
                     for x, e, q in zip(xs, entries, xqs or [None] * len(xs))]
-        rows = [q.shape[0] for q in xqs]
-        a = torch.zeros(len(xqs), max(rows), xqs[0].shape[1], dtype=torch.float64)
-        for j, q in enumerate(xqs):  # E4M3 elements, rows zero-padded to the longest
-            a[j, :rows[j]] = q
-        y = accumulate_matmul_batched(a, [e.group_slices for e in entries], self._acc)
-        return [y[j, :n] * (self.act_scales[e.act_key].float() * e.weight_scale)
-                for j, (n, e) in enumerate(zip(rows, entries))]
+        scales = [self.act_scales[e.act_key].float() * e.weight_scale for e in entries]
+        return accumulate_gemm_grouped(xqs, [e.group_slices for e in entries], self._acc, scales)
 
     def batched(self) -> bool:
         """Whether activations can be quantized once per MoE stage: always here (static

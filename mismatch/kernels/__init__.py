@@ -10,6 +10,8 @@ installed and the twin otherwise, so this package imports and runs without Trito
                   candidate distribution, in vocabulary tiles (no [T, V] FP32 tensor)
 - fake_quant.py   FP8 / MXFP4 / NVFP4 activation fake-quant, bit-exact to quantize.codecs
 - gemm.py         a GEMM with the accumulation model of quantize.accumulate, bit-exact
+- native.py       C kernels for the CPU (compiled once per machine, ctypes): the accumulation
+                  GEMM for E4M3 inputs, bit-exact to the torch code; MISMATCH_NATIVE=off skips
 """
 
 from .fake_quant import KERNEL_CODECS, fake_quant, fake_quant_torch, fake_quant_triton

@@ -1,0 +1,186 @@
+"""The native CPU kernels (mismatch/kernels/native.py) bit for bit against the torch code they
+replace, their dispatch, and their build (cache, errors, the off switch).
+
+They need a C compiler; this machine has one (gcc), and a machine without one skips them with
+the reason — the torch code then runs everywhere (the `auto` mode's fallback, tested below with
+a compiler that does not exist)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from mismatch.kernels import KernelError, native
+from mismatch.kernels.gemm import (accumulate_gemm, accumulate_gemm_grouped,
+                                   accumulate_gemm_native)
+from mismatch.quantize.accumulate import (ACCUMULATIONS, Accumulation, KSlices,
+                                          accumulate_matmul, accumulate_matmul_reference)
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the native kernels cannot be built here")
+
+PRESETS = sorted(ACCUMULATIONS) + ["t7-promote64"]
+
+
+def _acc(name: str) -> Accumulation:
+    if name == "t7-promote64":  # a register of 7 bits promoted every two slices
+        return Accumulation(name=name, acc_mbits=7, promote_every=64)
+    return ACCUMULATIONS[name]
+
+
+def _e4m3(g, *shape, scale=1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_library(monkeypatch):
+    """Each test reads MISMATCH_NATIVE anew (the library is chosen once per process)."""
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("m,k,n", [(1, 128, 256), (5, 128, 128), (37, 300, 50), (3, 17, 5),
+                                   (8, 640, 33), (64, 128, 384), (0, 64, 16), (4, 32, 0)])
+def test_the_native_gemm_is_the_torch_model_bit_for_bit(name, m, k, n):
+    """Every row tail (1–3 rows), column tail, short last slice and empty shape, every register
+    model; wide ranges (|a| up to 448, products on the whole E4M3 exponent range)."""
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    acc = _acc(name)
+    a = _e4m3(g, m, k, scale=60.0)
+    b = KSlices.of(_e4m3(g, k, n, scale=4.0).to(torch.bfloat16), acc.mma_k)
+    assert b.e4m3
+    got = accumulate_gemm_native(a, b, acc)
+    assert torch.equal(_bits(got), _bits(accumulate_matmul(a, b, acc)))
+    if m * k * n and m * k * n < 2e5:
+        ref = accumulate_matmul_reference(a.float(), b.matrix().float(), acc)
+        assert torch.equal(_bits(got), _bits(ref))
+
+
+def test_special_values_nan_signed_zero_subnormal_and_extremes():
+    """E4M3's NaN code, −0, its subnormals and ±448 in both operands; sums that cancel to ±0."""
+    acc = ACCUMULATIONS["hopper-fp8-fast"]
+    specials = torch.tensor([float("nan"), -0.0, 0.0, 2.0**-9, -(2.0**-9), 448.0, -448.0,
+                             2.0**-6, 1.0, -1.0])
+    g = torch.Generator().manual_seed(3)
+    a = _e4m3(g, 12, 64, scale=8.0)
+    a[:, :10] = specials.to(torch.float8_e4m3fn)
+    a[5] = specials[1].to(torch.float8_e4m3fn)  # a row of −0: every output +0
+    a[6, :] = torch.tensor(1.0).to(torch.float8_e4m3fn)
+    bv = _e4m3(g, 64, 20, scale=2.0)
+    bv[:9, 3] = specials[1:].to(torch.float8_e4m3fn)  # NaN-free: a NaN weight is not on the grid
+    bv[:, 4] = torch.tensor(-1.0).to(torch.float8_e4m3fn)  # row 6 · column 4 = −64 exactly
+    b = KSlices.of(bv, acc.mma_k)
+    got = accumulate_gemm_native(a, b, acc)
+    ref = accumulate_matmul(a, b, acc)
+    assert torch.equal(got.isnan(), ref.isnan()) and got[0].isnan().all()
+    fin = ~ref.isnan()
+    assert torch.equal(_bits(got)[fin], _bits(ref)[fin])
+    assert got[6, 4].item() == -64.0
+    assert torch.equal(_bits(got[5]), torch.zeros(20, dtype=torch.int32))  # +0, not −0
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_grouped_is_each_gemm_times_its_scale(name):
+    """A fused-MoE stage: experts with 0–13 rows each, one call, each output scaled once."""
+    g = torch.Generator().manual_seed(11)
+    acc = _acc(name)
+    rows = [3, 0, 13, 1, 7, 2, 5, 4]
+    xs = [_e4m3(g, r, 128, scale=30.0) for r in rows]
+    bs = [KSlices.of(_e4m3(g, 128, 96).to(torch.bfloat16), acc.mma_k) for _ in rows]
+    scales = [torch.rand((), generator=g) * 1e-3 + 1e-5 for _ in rows]
+    got = accumulate_gemm_grouped(xs, bs, acc, scales)
+    torch_path = accumulate_gemm_grouped(xs, bs, acc, scales, backend="torch")
+    for x, b, s, y, t in zip(xs, bs, scales, got, torch_path):
+        want = accumulate_matmul(x, b, acc) * s
+        assert torch.equal(_bits(y), _bits(want)) and torch.equal(_bits(t), _bits(want))
+    unscaled = accumulate_gemm_grouped(xs, bs, acc)
+    for x, b, y in zip(xs, bs, unscaled):
+        assert torch.equal(_bits(y), _bits(accumulate_matmul(x, b, acc)))
+
+
+def test_dispatch_takes_native_only_where_it_is_exact(monkeypatch):
+    """auto: E4M3 × E4M3 KSlices → native; BF16 weights off the E4M3 grid, float32 inputs or a
+    plain tensor → the torch model (same results as before, no native call)."""
+    calls = []
+    real = native.accumulate_grouped
+    monkeypatch.setattr(native, "accumulate_grouped",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    acc = ACCUMULATIONS["hopper-fp8-fast"]
+    g = torch.Generator().manual_seed(5)
+    a = _e4m3(g, 6, 64, scale=10.0)
+    on_grid = KSlices.of(_e4m3(g, 64, 32).to(torch.bfloat16), acc.mma_k)
+    off_grid = KSlices.of(torch.randn(64, 32, generator=g).to(torch.bfloat16), acc.mma_k)
+    assert on_grid.e4m3 and not off_grid.e4m3
+    accumulate_gemm(a, on_grid, acc)
+    assert len(calls) == 1
+    for x, b in ((a, off_grid), (a.float(), on_grid), (a, on_grid.matrix())):
+        assert torch.equal(accumulate_gemm(x, b, acc), accumulate_matmul(x, b, acc))
+    assert torch.equal(accumulate_gemm(a, on_grid, acc, backend="torch"),
+                       accumulate_matmul(a, on_grid, acc))
+    assert len(calls) == 1
+    with pytest.raises(KernelError, match="E4M3"):
+        accumulate_gemm_native(a, off_grid, acc)
+
+
+def test_off_runs_the_torch_code(monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, "off")
+    assert not native.available()
+    acc = ACCUMULATIONS["hopper-fp8-fast"]
+    g = torch.Generator().manual_seed(2)
+    xs = [_e4m3(g, 2, 32), _e4m3(g, 3, 32)]
+    bs = [KSlices.of(_e4m3(g, 32, 16).to(torch.bfloat16), 32) for _ in xs]
+    for x, b, y in zip(xs, bs, accumulate_gemm_grouped(xs, bs, acc)):
+        assert torch.equal(y, accumulate_matmul(x, b, acc))
+
+
+def test_bad_mode_and_missing_compiler_are_one_line_errors(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.NATIVE_ENV, "fast")
+    with pytest.raises(KernelError, match="MISMATCH_NATIVE='fast': use one of auto, off, on"):
+        native.library()
+    native.library.cache_clear()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no library built here yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv(native.NATIVE_ENV, "on")
+    with pytest.raises(KernelError) as err:
+        native.library()
+    assert "\n" not in str(err.value) and "MISMATCH_NATIVE=off" in str(err.value)
+    native.library.cache_clear()
+    monkeypatch.setenv(native.NATIVE_ENV, "auto")  # auto: a warning, then the torch code
+    with pytest.warns(RuntimeWarning, match="running the torch code instead"):
+        assert native.library() is None
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_build_is_cached_and_leaves_no_temporary_files(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    lib = native.library()
+    assert lib is not None
+    built = sorted(p.name for p in (tmp_path / "mismatch" / "native").iterdir())
+    assert len(built) == 1 and built[0].startswith("mismatch_native_") and \
+        built[0].endswith(".so")
+    mtime = (tmp_path / "mismatch" / "native" / built[0]).stat().st_mtime_ns
+    native.library.cache_clear()
+    assert native.library() is not None  # loaded, not rebuilt
+    assert (tmp_path / "mismatch" / "native" / built[0]).stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in (tmp_path / "mismatch" / "native").iterdir()) == built
+
+
+def test_wrapper_rejects_mismatched_operands():
+    g = torch.Generator().manual_seed(9)
+    a = _e4m3(g, 4, 32)
+    b = _e4m3(g, 32, 16).to(torch.bfloat16)
+    with pytest.raises(KernelError, match="does not split"):
+        native.accumulate_grouped(a, [3], [b], 13, 0, 32, 32)
+    with pytest.raises(KernelError, match="bfloat16"):
+        native.accumulate_grouped(a, [4], [b.float()], 13, 0, 32, 32)
+    with pytest.raises(KernelError, match="E4M3 elements"):
+        native.accumulate_grouped(a.float(), [4], [b], 13, 0, 32, 32)
