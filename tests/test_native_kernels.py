@@ -184,3 +184,82 @@ def test_wrapper_rejects_mismatched_operands():
         native.accumulate_grouped(a, [4], [b.float()], 13, 0, 32, 32)
     with pytest.raises(KernelError, match="E4M3 elements"):
         native.accumulate_grouped(a.float(), [4], [b], 13, 0, 32, 32)
+
+
+# ------------------------------------------------------------------ NVFP4 activation fake-quant
+
+
+def _nvfp4_reference(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    from mismatch.quantize.schemes import _fake_nvfp4_act
+    return _fake_nvfp4_act(x, s)
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit, NaN where NaN (a NaN's sign and payload aside)."""
+    nan = want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
+def test_nvfp4_act_block_scales_at_every_e4m3_midpoint():
+    """Block amaxes swept over every float32 between E4M3 neighbours' midpoints ± a few ulps
+    (the scale's rounding, ties to even, subnormal scales, the 448 clamp) and over the E2M1
+    midpoints of the elements (0.25, 0.75, … 5: ties to even, saturation at 6)."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[(e4m3 >= 0) & e4m3.isfinite()].unique()
+    mids = (e4m3[:-1] + e4m3[1:]) / 2
+    bits = mids.view(torch.int32)
+    sweep = torch.cat([(bits + d).view(torch.float32) for d in range(-3, 4)]
+                      + [e4m3, torch.tensor([448.0, 460.0, 1e30])])
+    # amax · fl(1/6) · gs hits the swept values: input_scale 1/6 · 2^-3 (gs = 48 exactly)
+    s = torch.tensor(1 / 48, dtype=torch.float32)
+    gs = 1.0 / s
+    amax = (sweep / gs.item() * 6.0).float()
+    e2m1_mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 0.0, -0.25, -2.5, -5.0])
+    blocks = []
+    for a in amax.tolist():
+        for shift in (0.0, 1e-3):
+            row = (e2m1_mids / 6.0 + shift) * a
+            blocks.append(torch.cat([torch.tensor([a]), row, torch.tensor([-a, 0.0, -0.0])]))
+    x = torch.stack(blocks)
+    assert x.shape[1] == 16
+    assert _same(native.fake_nvfp4_act(x, s), _nvfp4_reference(x, s))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_nvfp4_act_random_and_special_values(seed):
+    """Rows over 12 decades, NaN (the whole block NaN), ±inf (saturates), all-zero and −0
+    blocks, several input scales."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 128, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 4)
+    x[3, 5] = float("nan")
+    x[7, :16] = 0.0
+    x[11, 16:32] = -0.0
+    x[9, 20], x[10, 40] = float("inf"), -float("inf")
+    for s in (torch.tensor(1e-4), torch.rand((), generator=g), torch.tensor(3.0e2)):
+        got, want = native.fake_nvfp4_act(x, s), _nvfp4_reference(x, s)
+        assert _same(got, want)
+    assert got[3, :16].isnan().all() and not got[3, 16:].isnan().any()
+
+
+def test_nvfp4_act_dispatch(monkeypatch):
+    """kernels.fake_quant takes the native kernel for FP32 CPU tensors with an input scale —
+    the reference's values — and keeps refusing NaN when asked to validate."""
+    from mismatch.kernels import fake_quant
+    from mismatch.quantize import QuantizeError
+
+    calls = []
+    real = native.fake_nvfp4_act
+    monkeypatch.setattr(native, "fake_nvfp4_act", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(1)
+    x, s = torch.randn(4, 32, generator=g), torch.tensor(0.02)
+    assert _same(fake_quant(x, "nvfp4-act", global_scale=s, validate=False),
+                 _nvfp4_reference(x, s))
+    assert len(calls) == 1
+    fake_quant(x.bfloat16(), "nvfp4-act", global_scale=s)  # BF16: the reference
+    fake_quant(x, "nvfp4-act", global_scale=s, backend="torch")
+    assert len(calls) == 1
+    x[0, 0] = float("nan")
+    with pytest.raises(QuantizeError, match="non-finite"):
+        fake_quant(x, "nvfp4-act", global_scale=s)
+    with pytest.raises(KernelError, match="multiple of 16"):
+        native.fake_nvfp4_act(torch.zeros(2, 8), s)

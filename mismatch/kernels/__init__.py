@@ -11,7 +11,8 @@ installed and the twin otherwise, so this package imports and runs without Trito
 - fake_quant.py   FP8 / MXFP4 / NVFP4 activation fake-quant, bit-exact to quantize.codecs
 - gemm.py         a GEMM with the accumulation model of quantize.accumulate, bit-exact
 - native.py       C kernels for the CPU (compiled once per machine, ctypes): the accumulation
-                  GEMM for E4M3 inputs, bit-exact to the torch code; MISMATCH_NATIVE=off skips
+                  GEMM for E4M3 inputs and NVFP4 activation fake-quant, bit-exact to the torch
+                  code; MISMATCH_NATIVE=off skips them
 """
 
 from .fake_quant import KERNEL_CODECS, fake_quant, fake_quant_torch, fake_quant_triton

@@ -30,6 +30,7 @@ from mismatch.quantize.codecs import check_input, fake_quant as _reference, get_
 from mismatch.quantize.formats import div_scalar
 from mismatch.quantize.schemes import nvfp4_global_scale
 
+from . import native
 from .runtime import KernelError, use_triton
 
 __all__ = ["KERNEL_CODECS", "fake_quant", "fake_quant_torch", "fake_quant_triton"]
@@ -97,9 +98,15 @@ def fake_quant_triton(x: torch.Tensor, codec: str, *, global_scale: torch.Tensor
 
 def fake_quant(x: torch.Tensor, codec: str, *, global_scale: torch.Tensor | None = None,
                validate: bool = True, backend: str = "auto") -> torch.Tensor:
-    """Dispatch: the Triton kernel for CUDA tensors of a kernel codec when Triton is installed,
-    else the reference. backend: auto | torch | triton."""
+    """Dispatch: the Triton kernel for CUDA tensors of a kernel codec when Triton is installed;
+    for FP32 CPU tensors of NVFP4 activations with their input scale, the native C kernel
+    (native.py, the reference's bits); else the reference. backend: auto | torch | triton."""
     if backend == "auto" and codec not in KERNEL_CODECS:
         backend = "torch"
-    fn = fake_quant_triton if use_triton(backend, x) else fake_quant_torch
-    return fn(x, codec, global_scale=global_scale, validate=validate)
+    if use_triton(backend, x):
+        return fake_quant_triton(x, codec, global_scale=global_scale, validate=validate)
+    if backend == "auto" and codec == "nvfp4-act" and global_scale is not None and \
+            x.dtype == torch.float32 and x.device.type == "cpu" and native.available():
+        check_input(x, get_codec(codec), validate)
+        return native.fake_nvfp4_act(x, global_scale)
+    return fake_quant_torch(x, codec, global_scale=global_scale, validate=validate)

@@ -9,6 +9,9 @@ compares them with the torch code on every input they test, NaN included):
   E4M3 activations against E4M3 weights, several GEMMs of one shape in one call with no padded
   rows, each output optionally scaled: what the emulated Hopper FP8 sampler's linear layers and
   fused-MoE stages compute.
+- `fake_nvfp4_act`: NVFP4 activation fake-quant in the serving kernels' order
+  (`quantize.schemes._fake_nvfp4_act`, FP32 throughout): what the emulated Blackwell NVFP4
+  sampler does to every linear layer's input.
 
 The build. The C files are compiled with the system's C compiler (`$CC`, else `cc`) at `-O3
 -march=native`, each with its own FP contraction setting (`_SOURCES`: on only where fusing a
@@ -43,13 +46,13 @@ import torch
 from .runtime import KernelError
 
 __all__ = ["NATIVE_ENV", "NATIVE_MODES", "native_mode", "library", "available",
-           "accumulate_grouped"]
+           "accumulate_grouped", "fake_nvfp4_act"]
 
 NATIVE_ENV = "MISMATCH_NATIVE"
 NATIVE_MODES = ("auto", "off", "on")
 _HERE = Path(__file__).parent
 # each C file and its FP contraction: on only where every product and sum it contracts is exact
-_SOURCES = {"native_gemm.c": "-ffp-contract=fast"}
+_SOURCES = {"native_gemm.c": "-ffp-contract=fast", "native_quant.c": "-ffp-contract=off"}
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11")
 
 
@@ -123,6 +126,8 @@ def _load() -> ctypes.CDLL:
     lib.mismatch_accumulate_grouped.restype = ctypes.c_int
     lib.mismatch_accumulate_grouped.argtypes = [i64, p, p, i64, p, i64, i64, i64, i64,
                                                 ctypes.c_int, ctypes.c_uint64, i64, p, p]
+    lib.mismatch_fake_nvfp4_act.restype = None
+    lib.mismatch_fake_nvfp4_act.argtypes = [p, p, i64, ctypes.c_float]
     lib.mismatch_native_init()
     return lib
 
@@ -147,6 +152,32 @@ def available() -> bool:
     return library() is not None
 
 
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise KernelError(f"the native kernels are not available ({NATIVE_ENV}=off, or no C "
+                          "compiler)")
+    return lib
+
+
+def fake_nvfp4_act(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 on the CPU, K a multiple of 16 → its NVFP4-activation fake-quant
+    values (float32, x's shape) with the FP32 per-tensor `input_scale` (one element)."""
+    lib = _lib()
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.ndim == 0 or x.shape[-1] % 16:
+        raise KernelError(f"fake_nvfp4_act takes float32 CPU tensors whose last dimension is a "
+                          f"multiple of 16, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if input_scale.numel() != 1:
+        raise KernelError(f"fake_nvfp4_act takes one input scale, got shape "
+                          f"{tuple(input_scale.shape)}")
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    if src.numel():
+        lib.mismatch_fake_nvfp4_act(src.data_ptr(), out.data_ptr(), src.numel() // 16,
+                                    float(input_scale.float().reshape(())))
+    return out
+
+
 def accumulate_grouped(a: torch.Tensor, rows: list[int], bs: list[torch.Tensor],
                        acc_mbits: int | None, promote_slices: int, mk: int, k: int,
                        scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,10 +187,7 @@ def accumulate_grouped(a: torch.Tensor, rows: list[int], bs: list[torch.Tensor],
     stride. The register keeps `acc_mbits` explicit mantissa bits (None: FP32), promoted into the
     FP32 total every `promote_slices` slices of `mk` (0: never). scales: FP32 [G] multiplying
     group g's results (one rounding) → [R, N] float32."""
-    lib = library()
-    if lib is None:
-        raise KernelError(f"the native kernels are not available ({NATIVE_ENV}=off, or no C "
-                          "compiler)")
+    lib = _lib()
     if a.ndim != 2 or a.shape[1] != k or len(rows) != len(bs) or sum(rows) != a.shape[0]:
         raise KernelError(f"accumulate_grouped: a {tuple(a.shape)} does not split into rows "
                           f"{rows} of K={k}")
