@@ -7,6 +7,7 @@ a compiler that does not exist)."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
@@ -129,6 +130,41 @@ def test_dispatch_takes_native_only_where_it_is_exact(monkeypatch):
     assert len(calls) == 1
     with pytest.raises(KernelError, match="E4M3"):
         accumulate_gemm_native(a, off_grid, acc)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(ln.split(":", 1)[1].split()) for ln in f
+                         if ln.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "bmi2", "movbe"} <= _cpu_flags(),
+                    reason="the AVX2 build runs only on a CPU with AVX2 and FMA")
+def test_the_avx2_build_computes_the_same_bits(monkeypatch, tmp_path):
+    """The library as an AVX2-only CPU builds it (-march=x86-64-v3: vectors of 4 doubles, its
+    own tile) gives the torch code's bits too; on an AVX-512 CPU the default build uses
+    vectors of 8."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    default = native.library()
+    avx2 = native._load("-march=x86-64-v3")
+    assert avx2.mismatch_native_vector_width() == 4
+    if "avx512f" in _cpu_flags():
+        assert default.mismatch_native_vector_width() == 8
+    monkeypatch.setattr(native, "library", functools.cache(lambda: avx2))
+    g = torch.Generator().manual_seed(21)
+    for name in PRESETS:
+        acc = _acc(name)
+        rows = [5, 0, 9, 1, 4]
+        xs = [_e4m3(g, r, 160, scale=30.0) for r in rows]
+        bs = [KSlices.of(_e4m3(g, 160, 37).to(torch.bfloat16), acc.mma_k) for _ in rows]
+        for x, b, y in zip(xs, bs, accumulate_gemm_grouped(xs, bs, acc)):
+            assert torch.equal(_bits(y), _bits(accumulate_matmul(x, b, acc)))
+    x = torch.randn(32, 64, generator=g) * 3
+    s = torch.tensor(0.05)
+    assert _same(native.fake_nvfp4_act(x, s), _nvfp4_reference(x, s))
 
 
 def test_off_runs_the_torch_code(monkeypatch):

@@ -53,7 +53,8 @@ NATIVE_MODES = ("auto", "off", "on")
 _HERE = Path(__file__).parent
 # each C file and its FP contraction: on only where every product and sum it contracts is exact
 _SOURCES = {"native_gemm.c": "-ffp-contract=fast", "native_quant.c": "-ffp-contract=off"}
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11")
+_FLAGS = ("-O3", "-fPIC", "-std=gnu11")
+_MARCH = "-march=native"
 
 
 def native_mode() -> str:
@@ -79,11 +80,13 @@ def _cache_dir() -> Path:
     return Path(base) / "mismatch" / "native"
 
 
-def _build(compiler: str) -> Path:
-    """Compile native_cpu.c for this CPU (or find the library built before) → its path."""
+def _build(compiler: str, march: str = _MARCH) -> Path:
+    """Compile the C files for this CPU (or find the library built before) → its path. `march`
+    names another instruction set (the tests build the AVX2 variant on an AVX-512 machine)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=60).stdout
-    parts = [version, " ".join(_FLAGS), _cpu_identity()]
+    flags = (*_FLAGS, march)
+    parts = [version, " ".join(flags), _cpu_identity()]
     for name, contract in sorted(_SOURCES.items()):
         parts += [name, contract, (_HERE / name).read_text()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
@@ -95,7 +98,7 @@ def _build(compiler: str) -> Path:
         objects = []
         for name, contract in sorted(_SOURCES.items()):
             objects.append(str(Path(tmp) / (name + ".o")))
-            _run([compiler, *_FLAGS, contract, "-c", "-o", objects[-1], str(_HERE / name)],
+            _run([compiler, *flags, contract, "-c", "-o", objects[-1], str(_HERE / name)],
                  compiler)
         lib = str(Path(tmp) / out.name)
         _run([compiler, "-shared", "-o", lib, *objects, "-lm"], compiler)
@@ -110,19 +113,21 @@ def _run(cmd: list[str], compiler: str) -> None:
         raise KernelError(f"{compiler} failed to build the native kernels: {tail[0]}")
 
 
-def _load() -> ctypes.CDLL:
+def _load(march: str = _MARCH) -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise KernelError("no C compiler found for the native kernels: install gcc (or set "
                           f"CC), or set {NATIVE_ENV}=off")
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, march)))
     except (OSError, subprocess.SubprocessError) as err:
         raise KernelError(f"the native kernels could not be built or loaded ({err}); set "
                           f"{NATIVE_ENV}=off to run the torch code") from err
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.mismatch_native_init.restype = None
     lib.mismatch_native_init.argtypes = []
+    lib.mismatch_native_vector_width.restype = ctypes.c_int
+    lib.mismatch_native_vector_width.argtypes = []
     lib.mismatch_accumulate_grouped.restype = ctypes.c_int
     lib.mismatch_accumulate_grouped.argtypes = [i64, p, p, i64, p, i64, i64, i64, i64,
                                                 ctypes.c_int, ctypes.c_uint64, i64, p, p]

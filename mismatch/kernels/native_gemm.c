@@ -17,21 +17,29 @@
 
    Inputs are on the FP8 grid: a's E4M3 codes and b's values (bfloat16 holding E4M3 values), so
    every product is a multiple of 2^-18 below 2^18 and every register-plus-products sum is exact
-   in float64 (module docstring of accumulate.py): the products are added one at a time with
-   fma(), which rounds nothing here, and the order of the sums does not matter.
+   in float64 (module docstring of accumulate.py): the products are added one at a time, as
+   multiply-adds the compiler may fuse into FMAs, which round nothing here, and the order of
+   the sums does not matter.
 
    Grouped: `groups` GEMMs of one K and N, group g's rows a[row_off[g]:row_off[g+1]] against its
    own b[g] ([K, N] bfloat16, row stride ldb, contiguous rows), results c [rows, N] FP32, each
    group's results multiplied by scale[g] (FP32, one rounding) when scale is not NULL. */
 
-#define MR 4  /* rows of a tile */
-#define NR 16 /* columns of a tile: two vectors of 8 doubles */
+/* A tile is MR rows by NR = 2 vectors of VW doubles: 8 accumulator registers either way (the 16
+   ymm registers of AVX2 hold them with room for b and a's broadcast; AVX-512 has 32 zmm). */
+#if defined(__AVX512F__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#define MR 4
+#define NR (2 * VW)
 
-typedef double v8d __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef int64_t v8l __attribute__((vector_size(64)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef double vd __attribute__((vector_size(8 * VW)));
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int64_t vl __attribute__((vector_size(8 * VW)));
+typedef uint16_t vh __attribute__((vector_size(2 * VW)));
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
 
 static double e4m3_values[256];
 
@@ -49,24 +57,18 @@ static void e4m3_table(void) {
     }
 }
 
-static inline double bf16_value(uint16_t bits) {
-    uint32_t u = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return (double)f;
+static inline vd fp32_rounded(vd x) {
+    return __builtin_convertvector(__builtin_convertvector(x, vf), vd);
 }
 
-static inline v8d fp32_rounded(v8d x) {
-    return __builtin_convertvector(__builtin_convertvector(x, v8f), v8d);
-}
-
-static inline v8d bf16x8(const uint16_t *p) {
-    v8h bits;
+/* VW bfloat16 values from p, widened to float64 (exact). */
+static inline vd bf16_vector(const uint16_t *p) {
+    vh bits;
     memcpy(&bits, p, sizeof bits);
-    v8u wide = __builtin_convertvector(bits, v8u) << 16; /* bf16 → fp32 bits */
-    v8f f;
+    vu wide = __builtin_convertvector(bits, vu) << 16; /* bf16 → fp32 bits */
+    vf f;
     memcpy(&f, &wide, sizeof f);
-    return __builtin_convertvector(f, v8d);
+    return __builtin_convertvector(f, vd);
 }
 
 /* One tile of `mr` rows by NR columns over the whole of K: b [K, N] bfloat16 from this tile's
@@ -75,16 +77,15 @@ static inline __attribute__((always_inline)) void
 acc_tile(const int mr, const uint8_t *a, int64_t lda, const uint16_t *b, int64_t ldb, int64_t k,
          int64_t mk, int mode, uint64_t keep, int64_t promote, float *c, int64_t ldc, int nr,
          const float *scale) {
-    v8d acc[MR][2], total[MR][2];
-    const v8l keepv = {(int64_t)keep, (int64_t)keep, (int64_t)keep, (int64_t)keep,
-                       (int64_t)keep, (int64_t)keep, (int64_t)keep, (int64_t)keep};
+    vd acc[MR][2], total[MR][2];
+    const vl keepv = (vl){0} + (int64_t)keep;
     for (int r = 0; r < MR; r++)
-        acc[r][0] = acc[r][1] = total[r][0] = total[r][1] = (v8d){0};
+        acc[r][0] = acc[r][1] = total[r][0] = total[r][1] = (vd){0};
     int64_t slices = (k + mk - 1) / mk;
     for (int64_t s = 0; s < slices; s++) {
         int64_t k1 = (s + 1) * mk < k ? (s + 1) * mk : k;
         for (int64_t kk = s * mk; kk < k1; kk++) {
-            v8d b0 = bf16x8(b + kk * ldb), b1 = bf16x8(b + kk * ldb + 8);
+            vd b0 = bf16_vector(b + kk * ldb), b1 = bf16_vector(b + kk * ldb + VW);
             for (int r = 0; r < mr; r++) {
                 double av = e4m3_values[a[r * lda + kk]];
                 acc[r][0] += av * b0;
@@ -93,12 +94,12 @@ acc_tile(const int mr, const uint8_t *a, int64_t lda, const uint16_t *b, int64_t
         }
         for (int r = 0; r < mr; r++)
             for (int h = 0; h < 2; h++)
-                acc[r][h] = mode == 1 ? (v8d)((v8l)acc[r][h] & keepv) : fp32_rounded(acc[r][h]);
+                acc[r][h] = mode == 1 ? (vd)((vl)acc[r][h] & keepv) : fp32_rounded(acc[r][h]);
         if (promote && (s + 1) % promote == 0 && s + 1 < slices) {
             for (int r = 0; r < mr; r++)
                 for (int h = 0; h < 2; h++) {
                     total[r][h] = fp32_rounded(total[r][h] + acc[r][h]);
-                    acc[r][h] = (v8d){0};
+                    acc[r][h] = (vd){0};
                 }
         }
     }
@@ -107,8 +108,8 @@ acc_tile(const int mr, const uint8_t *a, int64_t lda, const uint16_t *b, int64_t
         for (int h = 0; h < 2; h++) {
             /* a register never promoted is rounded once (+0.0 turns −0 into +0, as torch's
                zero total does); a promoted one is added into its total */
-            v8d v = promote ? total[r][h] + acc[r][h] : acc[r][h] + (v8d){0};
-            memcpy(y + 8 * h, &v, sizeof v);
+            vd v = promote ? total[r][h] + acc[r][h] : acc[r][h] + (vd){0};
+            memcpy(y + VW * h, &v, sizeof v);
         }
         for (int j = 0; j < nr; j++)
             c[r * ldc + j] = scale ? (float)y[j] * *scale : (float)y[j];
@@ -152,6 +153,9 @@ static void acc_rows(int64_t m, const uint8_t *a, int64_t lda, const uint16_t *b
 
 /* Called once when the library is loaded, before any kernel. */
 void mismatch_native_init(void) { e4m3_table(); }
+
+/* Doubles per vector this build computes with (8: AVX-512, 4: AVX2 or narrower). */
+int mismatch_native_vector_width(void) { return VW; }
 
 int mismatch_accumulate_grouped(int64_t groups, const int64_t *row_off, const uint8_t *a,
                                 int64_t lda, const int64_t *b_addr, int64_t ldb, int64_t k,
