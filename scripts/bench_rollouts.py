@@ -196,9 +196,16 @@ def main() -> None:
     from mismatch.runtime import tune_allocator
 
     tune_allocator()
+    from mismatch.kernels import native
+
+    lib = native.library()
+    kernels = ("off (the torch code)" if lib is None else
+               f"on, {os.environ.get(native.MARCH_ENV) or 'native'} build, vectors of "
+               f"{lib.mismatch_native_vector_width()} doubles")
     lines = [f"# {cpu_line()}",
              f"# torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
-             f"{os.getloadavg()[0]:.1f}; train: {' '.join(TRAIN)} --steps {args.steps}"]
+             f"{os.getloadavg()[0]:.1f}; train: {' '.join(TRAIN)} --steps {args.steps}",
+             f"# this tree's native CPU kernels: {kernels}"]
 
     def say(text: str) -> None:
         print(text, flush=True)

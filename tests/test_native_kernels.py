@@ -149,7 +149,8 @@ def test_the_avx2_build_computes_the_same_bits(monkeypatch, tmp_path):
     vectors of 8."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     default = native.library()
-    avx2 = native._load("-march=x86-64-v3")
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    avx2 = native._load()
     assert avx2.mismatch_native_vector_width() == 4
     if "avx512f" in _cpu_flags():
         assert default.mismatch_native_vector_width() == 8
