@@ -8,7 +8,9 @@ a compiler that does not exist)."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -198,17 +200,31 @@ def test_bad_mode_and_missing_compiler_are_one_line_errors(monkeypatch, tmp_path
 
 
 def test_build_is_cached_and_leaves_no_temporary_files(monkeypatch, tmp_path):
+    """A build leaves one finished library, a second process loads it, and a rebuild clears
+    what a killed build left behind (an old build directory; a recent one may be another
+    process's build in progress and stays)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    lib = native.library()
-    assert lib is not None
-    built = sorted(p.name for p in (tmp_path / "mismatch" / "native").iterdir())
+    where = tmp_path / "mismatch" / "native"
+    assert native.library() is not None
+    built = sorted(p.name for p in where.iterdir())
     assert len(built) == 1 and built[0].startswith("mismatch_native_") and \
         built[0].endswith(".so")
-    mtime = (tmp_path / "mismatch" / "native" / built[0]).stat().st_mtime_ns
+    lib_path = where / built[0]
+    mtime = lib_path.stat().st_mtime_ns
     native.library.cache_clear()
     assert native.library() is not None  # loaded, not rebuilt
-    assert (tmp_path / "mismatch" / "native" / built[0]).stat().st_mtime_ns == mtime
-    assert sorted(p.name for p in (tmp_path / "mismatch" / "native").iterdir()) == built
+    assert lib_path.stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in where.iterdir()) == built
+    stem = lib_path.name[:-len(".so")]
+    stale, running = where / (stem + ".killed"), where / (stem + ".running")
+    stale.mkdir()
+    running.mkdir()
+    old = time.time() - 2 * native._STALE_SECONDS
+    os.utime(stale, (old, old))
+    lib_path.unlink()
+    native.library.cache_clear()
+    assert native.library() is not None  # rebuilt
+    assert sorted(p.name for p in where.iterdir()) == sorted([built[0], running.name])
 
 
 def test_wrapper_rejects_mismatched_operands():

@@ -245,7 +245,14 @@ def test_smoke_run_on_ray_killed_and_resumed(tmp_path):
 
     check_model_dir(outs["ray"] / "final")  # a whole model directory: config, weights, tokenizer
     assert json.loads((outs["ray"] / "config.json").read_text())["fleet"] == "mixed"
-    assert list(home.iterdir()) == [] and not list(tmp.glob("mm-ray-*"))
+    # HOME keeps one thing: the native CPU kernels' build cache, finished libraries only
+    # (mismatch/kernels/native.py; the mixed fleet's FP8 and NVFP4 groups build it)
+    cache = Path(".cache", "mismatch", "native")
+    left = [p.relative_to(home) for p in home.rglob("*")]
+    assert all(p in (Path(".cache"), cache.parent, cache) or
+               (p.parent == cache and p.name.startswith("mismatch_native_") and p.suffix == ".so")
+               for p in left), left
+    assert not list(tmp.glob("mm-ray-*"))
     shutil.rmtree(tmp)
 
 

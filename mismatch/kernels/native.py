@@ -18,9 +18,11 @@ The build. The C files are compiled with the system's C compiler (`$CC`, else `c
 multiply-add into an FMA is exact), and linked into one library in
 `$XDG_CACHE_HOME/mismatch/native/` (`~/.cache` by default) under a name that hashes the sources,
 the compiler's version, the flags and the CPU's model and feature flags — a library built for one
-CPU is never loaded on another. The library is
-written to a temporary name and renamed, so processes building at once never see half a file.
-The first build takes about a second; every later process loads it.
+CPU is never loaded on another. The library is written to a temporary name and renamed, so
+processes building at once never see half a file; the build directory a killed build leaves
+behind is removed by the next build (after ten minutes: a younger one may be another process's
+build in progress). The first build takes about a second; every later process loads it. It is
+the one thing the project writes outside the directories it is given.
 
 `MISMATCH_NATIVE_MARCH=x86-64-v3` builds for another instruction set than this CPU's (here:
 what an AVX2-only CPU builds; the benchmarks' AVX2 stand-in uses it).
@@ -41,6 +43,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -57,6 +60,7 @@ _HERE = Path(__file__).parent
 # each C file and its FP contraction: on only where every product and sum it contracts is exact
 _SOURCES = {"native_gemm.c": "-ffp-contract=fast", "native_quant.c": "-ffp-contract=off"}
 _FLAGS = ("-O3", "-fPIC", "-std=gnu11")
+_STALE_SECONDS = 600  # a build directory this old was left by a killed build, not a running one
 MARCH_ENV = "MISMATCH_NATIVE_MARCH"
 """The instruction set to build for (gcc's -march; default `native`): `x86-64-v3` builds what an
 AVX2-only CPU builds, which is how the benchmarks measure that case on an AVX-512 machine."""
@@ -103,6 +107,9 @@ def _build(compiler: str, march: str) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(out.stem + ".*"):  # a build killed before its cleanup
+        if stale.is_dir() and time.time() - stale.stat().st_mtime > _STALE_SECONDS:
+            shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=out.stem + ".", dir=out.parent) as tmp:
         objects = []
         for name, contract in sorted(_SOURCES.items()):
