@@ -21,8 +21,7 @@ the compiler's version, the flags and the CPU's model and feature flags — a li
 CPU is never loaded on another. The library is written to a temporary name and renamed, so
 processes building at once never see half a file; the build directory a killed build leaves
 behind is removed by the next build (after ten minutes: a younger one may be another process's
-build in progress). The first build takes about a second; every later process loads it. It is
-the one thing the project writes outside the directories it is given.
+build in progress). The first build takes about a second; every later process loads it.
 
 `MISMATCH_NATIVE_MARCH=x86-64-v3` builds for another instruction set than this CPU's (here:
 what an AVX2-only CPU builds; the benchmarks' AVX2 stand-in uses it).
