@@ -18,13 +18,20 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["OUTPUT_MARKER", "atomic_directory", "atomic_path", "atomic_write_text",
+__all__ = ["OUTPUT_MARKER", "user_cache_dir", "atomic_directory", "atomic_path", "atomic_write_text",
            "check_output_dir", "check_writable_dir", "mark_output", "replace_directory",
            "save_figure"]
 
 OUTPUT_MARKER = ".mismatch-output"
 """A file in every directory a command writes whole (probe, qualify): the command's name. A rerun
 may replace a directory that holds it; any other non-empty directory is refused."""
+
+
+def user_cache_dir(name: str) -> Path:
+    """$XDG_CACHE_HOME/mismatch/<name> (~/.cache by default): what the project keeps between
+    runs (probe figures of `mismatch plan`, the native kernels' builds)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mismatch" / name
 
 
 def _tmp_sibling(path: Path) -> Path:

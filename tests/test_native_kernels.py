@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mismatch.kernels import KernelError, native
+from mismatch.kernels.bf16_gemm import _cpu_flags as cpu_flags
 from mismatch.kernels.gemm import (accumulate_gemm, accumulate_gemm_grouped,
                                    accumulate_gemm_native)
 from mismatch.quantize.accumulate import (ACCUMULATIONS, Accumulation, KSlices,
@@ -135,12 +136,7 @@ def test_dispatch_takes_native_only_where_it_is_exact(monkeypatch):
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(ln.split(":", 1)[1].split()) for ln in f
-                         if ln.startswith("flags")), set())
-    except OSError:
-        return set()
+    return cpu_flags() or set()
 
 
 @pytest.mark.skipif(not {"avx2", "fma", "bmi2", "movbe"} <= _cpu_flags(),

@@ -20,12 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from mismatch.io import atomic_write_text, mark_output, save_figure
+from mismatch.io import atomic_write_text, mark_output, save_figure, user_cache_dir
 from mismatch.plan import PlanInfeasible, PlanInputError
 from mismatch.plan.solve import (Plan, equal_capacity_plan, frontier, homogeneous_plan,
                                  solve_numbers)
@@ -40,8 +39,7 @@ PROBE_VERSION = 1
 
 def default_cache_dir() -> Path:
     """$XDG_CACHE_HOME/mismatch/plan-probes (~/.cache by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mismatch" / "plan-probes"
+    return user_cache_dir("plan-probes")
 
 
 def _model_key(model: Path | None) -> str:

@@ -118,7 +118,7 @@ def accumulate_gemm_grouped(xs: list[torch.Tensor], bs: list[KSlices], acc: Accu
                           f"input, got {len(xs)} inputs and {len(bs)} operands")
     rows = [x.shape[0] for x in xs]
     if backend == "auto" and xs[0].dtype == torch.float8_e4m3fn and \
-            all(x.dtype == xs[0].dtype for x in xs):
+            all(x.dtype == xs[0].dtype for x in xs) and native.available():
         a = torch.cat(xs)
         if _native_fits(a, bs, acc):
             s = None if scales is None else torch.stack([t.reshape(()) for t in scales]).float()

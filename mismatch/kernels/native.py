@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from mismatch.io import user_cache_dir
+
 from .runtime import KernelError
 
 __all__ = ["NATIVE_ENV", "NATIVE_MODES", "MARCH_ENV", "native_mode", "library", "available",
@@ -87,11 +89,6 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mismatch" / "native"
-
-
 def _build(compiler: str, march: str) -> Path:
     """Compile the C files for this CPU (or find the library built before) → its path. `march`
     names another instruction set (the tests build the AVX2 variant on an AVX-512 machine)."""
@@ -102,7 +99,7 @@ def _build(compiler: str, march: str) -> Path:
     for name, contract in sorted(_SOURCES.items()):
         parts += [name, contract, (_HERE / name).read_text()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
-    out = _cache_dir() / f"mismatch_native_{key}.so"
+    out = user_cache_dir("native") / f"mismatch_native_{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
