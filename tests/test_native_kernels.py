@@ -312,3 +312,67 @@ def test_nvfp4_act_dispatch(monkeypatch):
         fake_quant(x, "nvfp4-act", global_scale=s)
     with pytest.raises(KernelError, match="multiple of 16"):
         native.fake_nvfp4_act(torch.zeros(2, 8), s)
+
+
+def _rows_to_rank(g, b: int, v: int, kind: int) -> torch.Tensor:
+    """Rows of one kind: log-softmax-like values, many ties, −inf outside a nucleus, NaN, ±0
+    only, ±inf with NaN of either sign, all NaN."""
+    x = torch.randn(b, v, generator=g) * 3
+    if kind == 1:
+        x = (x * 2).round() / 2
+    elif kind == 2:
+        x[x < -0.5] = float("-inf")
+    elif kind == 3:
+        x[torch.rand(b, v, generator=g) < 0.1] = float("nan")
+    elif kind == 4:
+        x = torch.where(torch.rand(b, v, generator=g) < 0.5, torch.tensor(0.0), torch.tensor(-0.0))
+    elif kind == 5:
+        x[torch.rand(b, v, generator=g) < 0.3] = float("inf")
+        x[torch.rand(b, v, generator=g) < 0.1] = -float("nan")
+    elif kind == 6:
+        x = torch.full((b, v), float("nan"))
+    return x
+
+
+@pytest.mark.parametrize("kind", range(7))
+def test_ranked_topk_is_the_torch_ranking(kind):
+    """The native candidates are the torch code's — the same ids in the same order, the same
+    value bits — on ties (lowest ids first), NaN of either sign (first, by id), −0 beside +0
+    (tied), ±inf, k from 1 to beyond the row, a decode step's [64, 768] rows with k = 128, and
+    a strided view."""
+    from mismatch.engines.logits import ranked_topk_torch
+
+    g = torch.Generator().manual_seed(kind)
+    shapes = [(1, 1), (3, 2), (5, 17), (4, 300), (64, 768)]
+    for b, v in shapes:
+        x = _rows_to_rank(g, b, v, kind)
+        for k in sorted({1, 2, v // 2 + 1, min(v, 128), v, v + 5}):
+            got, want = native.ranked_topk(x, k), ranked_topk_torch(x, k)
+            assert torch.equal(got[1], want[1]), (b, v, k)
+            assert torch.equal(_bits(got[0]), _bits(want[0])), (b, v, k)
+    wide = _rows_to_rank(g, 6, 100, kind)
+    view = wide[::2, 10:90]  # rows two apart, a column offset: no copy of the rows
+    got, want = native.ranked_topk(view, 9), ranked_topk_torch(view, 9)
+    assert torch.equal(got[1], want[1]) and torch.equal(_bits(got[0]), _bits(want[0]))
+
+
+def test_ranked_topk_dispatch(monkeypatch):
+    """engines.logits.ranked_topk takes the native kernel for FP32 CPU matrices outside autograd
+    only, and runs the torch code with MISMATCH_NATIVE=off."""
+    from mismatch.engines import logits
+
+    calls = []
+    real = native.ranked_topk
+    monkeypatch.setattr(native, "ranked_topk", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    want = logits.ranked_topk_torch(x, 5)
+    got = logits.ranked_topk(x, 5)
+    assert len(calls) == 1 and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    logits.ranked_topk(x.double(), 5)
+    logits.ranked_topk(x.requires_grad_(), 5)
+    assert len(calls) == 1
+    with pytest.raises(KernelError, match="float32 CPU matrix"):
+        real(x.detach().double(), 5)
+    monkeypatch.setenv(native.NATIVE_ENV, "off")
+    native.library.cache_clear()
+    assert torch.equal(logits.ranked_topk(x.detach(), 5)[1], want[1]) and len(calls) == 1

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "process_logits", "process_rows", "ranked_topk"]
+from mismatch.kernels import native
+
+__all__ = ["SamplingParams", "process_logits", "process_rows", "ranked_topk", "ranked_topk_torch"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +89,18 @@ def ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     torch's `topk` and `sort` leave the order of tied values unspecified (it differs between
     machines), so a candidate list and a nucleus ranked by either alone may disagree on a tie.
-    NaN ranks above every number (as `topk` and a descending `sort` put it), NaNs by id."""
+    NaN ranks above every number (as `topk` and a descending `sort` put it), NaNs by id; −0 and
+    +0 tie. FP32 rows on a CPU go through the native kernel (mismatch.kernels.native, one pass a
+    row instead of a dozen tensor operations: the same values and ids, it only compares), the
+    rest through `ranked_topk_torch`."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 \
+            and not x.requires_grad and 0 < min(k, x.shape[-1]) and native.available():
+        return native.ranked_topk(x, k)
+    return ranked_topk_torch(x, k)
+
+
+def ranked_topk_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ranked_topk` in tensor operations (any dtype and device)."""
     k = min(k, x.shape[-1])
     nan_found = _has_nan(x)
     kth = _kth_largest(x, k, nan_found)

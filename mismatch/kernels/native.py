@@ -12,6 +12,8 @@ compares them with the torch code on every input they test, NaN included):
 - `fake_nvfp4_act`: NVFP4 activation fake-quant in the serving kernels' order
   (`quantize.schemes._fake_nvfp4_act`, FP32 throughout): what the emulated Blackwell NVFP4
   sampler does to every linear layer's input.
+- `ranked_topk`: `engines.logits.ranked_topk` (the k best of each row by value, then id),
+  what the rollout engine records as every sampled position's candidates.
 
 The build. The C files are compiled with the system's C compiler (`$CC`, else `cc`) at `-O3
 -march=native`, each with its own FP contraction setting (`_SOURCES`: on only where fusing a
@@ -53,13 +55,14 @@ from mismatch.io import user_cache_dir
 from .runtime import KernelError
 
 __all__ = ["NATIVE_ENV", "NATIVE_MODES", "MARCH_ENV", "native_mode", "library", "available",
-           "accumulate_grouped", "fake_nvfp4_act"]
+           "accumulate_grouped", "fake_nvfp4_act", "ranked_topk"]
 
 NATIVE_ENV = "MISMATCH_NATIVE"
 NATIVE_MODES = ("auto", "off", "on")
 _HERE = Path(__file__).parent
 # each C file and its FP contraction: on only where every product and sum it contracts is exact
-_SOURCES = {"native_gemm.c": "-ffp-contract=fast", "native_quant.c": "-ffp-contract=off"}
+_SOURCES = {"native_gemm.c": "-ffp-contract=fast", "native_quant.c": "-ffp-contract=off",
+            "native_select.c": "-ffp-contract=off"}
 _FLAGS = ("-O3", "-fPIC", "-std=gnu11")
 _STALE_SECONDS = 600  # a build directory this old was left by a killed build, not a running one
 MARCH_ENV = "MISMATCH_NATIVE_MARCH"
@@ -145,6 +148,8 @@ def _load(march: str | None = None) -> ctypes.CDLL:
                                                 ctypes.c_int, ctypes.c_uint64, i64, p, p]
     lib.mismatch_fake_nvfp4_act.restype = None
     lib.mismatch_fake_nvfp4_act.argtypes = [p, p, i64, ctypes.c_float]
+    lib.mismatch_ranked_topk.restype = ctypes.c_int
+    lib.mismatch_ranked_topk.argtypes = [p, i64, i64, i64, i64, p, p]
     lib.mismatch_native_init()
     return lib
 
@@ -193,6 +198,26 @@ def fake_nvfp4_act(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
         lib.mismatch_fake_nvfp4_act(src.data_ptr(), out.data_ptr(), src.numel() // 16,
                                     float(input_scale.float().reshape(())))
     return out
+
+
+def ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, V] float32 on the CPU → the k best (values [B, k], ids [B, k] int64) of each row,
+    ranked by value descending, then id ascending, NaN first: `engines.logits.ranked_topk`."""
+    lib = _lib()
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.ndim != 2 \
+            or not 0 < x.shape[1] < 2**32:
+        raise KernelError(f"ranked_topk takes a float32 CPU matrix with 1 to 2^32 - 1 columns, "
+                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    k = min(int(k), x.shape[1])
+    if k < 1:
+        raise KernelError(f"ranked_topk: k must be at least 1, got {k}")
+    src = x if x.stride(1) == 1 else x.contiguous()
+    vals = torch.empty(src.shape[0], k, dtype=torch.float32)
+    ids = torch.empty(src.shape[0], k, dtype=torch.int64)
+    if lib.mismatch_ranked_topk(src.data_ptr(), src.shape[0], src.shape[1], src.stride(0), k,
+                                vals.data_ptr(), ids.data_ptr()):
+        raise MemoryError("ranked_topk: the native kernel could not allocate its buffer")
+    return vals, ids
 
 
 def accumulate_grouped(a: torch.Tensor, rows: list[int], bs: list[torch.Tensor],
