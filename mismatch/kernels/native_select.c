@@ -6,10 +6,11 @@
    a value of the row, copied, so the result is that of the torch code whatever the order of the
    work (tests/test_native_kernels.py compares them on ties, NaN, ±0 and ±inf).
 
-   Each value and its id make one 64-bit key whose unsigned order is the ranking: the high word
-   the value's rank among floats (reversed: the largest first), the low word the id. The k
-   smallest keys are found and sorted by one partial quicksort (it sorts only the parts that
-   hold ranks < k). */
+   Each value becomes a 32-bit word whose unsigned order is the ranking (the best first). The
+   k-th word is found a byte at a time (radix select: four counting passes over the row), the k
+   best are collected in id order (ties at the k-th word: the lowest ids) and sorted by word with
+   a stable radix sort, which keeps tied words in id order. No comparison branches on the data:
+   a decode step's rows cost a few passes each. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,39 +26,15 @@ static inline uint32_t order_of(float v) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-static inline void swap_u64(uint64_t *a, uint64_t *b) {
-    uint64_t t = *a;
-    *a = *b;
-    *b = t;
-}
-
-/* Sort a[lo..hi] (inclusive) far enough that a[0..k) holds the k smallest keys, ascending.
-   The keys are distinct (each holds its id). */
-static void partial_sort(uint64_t *a, int64_t lo, int64_t hi, int64_t k) {
-    while (hi - lo >= 16) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if (a[mid] < a[lo]) swap_u64(&a[mid], &a[lo]);
-        if (a[hi] < a[lo]) swap_u64(&a[hi], &a[lo]);
-        if (a[hi] < a[mid]) swap_u64(&a[hi], &a[mid]);
-        uint64_t pivot = a[mid];
-        int64_t i = lo - 1, j = hi + 1;
-        for (;;) {  /* Hoare: a[lo..j] <= pivot <= a[j+1..hi] */
-            do i++; while (a[i] < pivot);
-            do j--; while (a[j] > pivot);
-            if (i >= j) break;
-            swap_u64(&a[i], &a[j]);
-        }
-        if (j + 1 < k) partial_sort(a, j + 1, hi, k);  /* the right part holds ranks < k */
-        hi = j;
-    }
-    for (int64_t i = lo + 1; i <= hi; i++) {
-        uint64_t t = a[i];
-        int64_t j = i - 1;
-        while (j >= lo && a[j] > t) {
-            a[j + 1] = a[j];
-            j--;
-        }
-        a[j + 1] = t;
+/* rank words of n ids (w[id]), ids ascending → sorted by word ascending, ties keeping their
+   order (so by id): least significant digit first, 8 bits a pass, stable. */
+static void sort_by_word(const uint32_t *w, int64_t *ids, int64_t *tmp, int64_t n) {
+    for (int shift = 0; shift < 32; shift += 8) {
+        int64_t count[257] = {0};
+        for (int64_t i = 0; i < n; i++) count[((w[ids[i]] >> shift) & 0xFFu) + 1]++;
+        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
+        for (int64_t i = 0; i < n; i++) tmp[count[(w[ids[i]] >> shift) & 0xFFu]++] = ids[i];
+        memcpy(ids, tmp, (size_t)n * sizeof(int64_t));
     }
 }
 
@@ -66,19 +43,72 @@ static void partial_sort(uint64_t *a, int64_t lo, int64_t hi, int64_t k) {
 int mismatch_ranked_topk(const float *x, int64_t rows, int64_t v, int64_t ldx, int64_t k,
                          float *vals, int64_t *ids) {
     if (rows <= 0 || k <= 0) return 0;
-    uint64_t *keys = malloc((size_t)v * sizeof(uint64_t));
-    if (!keys) return 1;
+    uint32_t *w = malloc((size_t)v * sizeof(uint32_t));
+    int64_t *cand = malloc((size_t)v * sizeof(int64_t));
+    int64_t *tmp = malloc((size_t)k * sizeof(int64_t));
+    if (!w || !cand || !tmp) {
+        free(w);
+        free(cand);
+        free(tmp);
+        return 1;
+    }
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * ldx;
-        for (int64_t i = 0; i < v; i++)
-            keys[i] = ((uint64_t)(~order_of(row[i])) << 32) | (uint64_t)i;
-        partial_sort(keys, 0, v - 1, k);
-        for (int64_t i = 0; i < k; i++) {
-            int64_t id = (int64_t)(keys[i] & 0xFFFFFFFFu);
-            ids[r * k + i] = id;
-            vals[r * k + i] = row[id];
+        int64_t *sel = ids + r * k;
+        /* the words, ascending = best first, and a histogram of their top byte (four
+           interleaved copies: most words share it, and one counter would chain the adds) */
+        int64_t count4[4][256];
+        memset(count4, 0, sizeof(count4));
+        int64_t i = 0;
+        for (; i + 4 <= v; i += 4) {
+            for (int j = 0; j < 4; j++) {
+                w[i + j] = ~order_of(row[i + j]);
+                count4[j][w[i + j] >> 24]++;
+            }
         }
+        for (; i < v; i++) {
+            w[i] = ~order_of(row[i]);
+            count4[0][w[i] >> 24]++;
+        }
+        /* the k-th smallest word t, a byte at a time (radix select), and how many of its ties
+           the k best take (`need`: the lowest ids among them) */
+        int64_t need = k;
+        int b = 0;
+        for (;; b++) {
+            int64_t c = count4[0][b] + count4[1][b] + count4[2][b] + count4[3][b];
+            if (need <= c) break;
+            need -= c;
+        }
+        uint32_t t = (uint32_t)b << 24;
+        int64_t m = 0;
+        for (i = 0; i < v; i++) {  /* the candidates: words of that top byte */
+            cand[m] = i;
+            m += (w[i] >> 24) == (uint32_t)b;
+        }
+        for (int shift = 16; shift >= 0; shift -= 8) {
+            int64_t count[256] = {0};
+            for (i = 0; i < m; i++) count[(w[cand[i]] >> shift) & 0xFFu]++;
+            for (b = 0; need > count[b]; b++) need -= count[b];
+            t |= (uint32_t)b << shift;
+            int64_t kept = 0;
+            for (i = 0; i < m; i++) {
+                cand[kept] = cand[i];
+                kept += ((w[cand[i]] >> shift) & 0xFFu) == (uint32_t)b;
+            }
+            m = kept;
+        }
+        int64_t n = 0;
+        for (i = 0; i < v && n < k; i++) {  /* in id order: ties at t by lowest id */
+            int take = w[i] < t || (w[i] == t && need > 0);
+            need -= take & (w[i] == t);
+            sel[n] = i;
+            n += take;
+        }
+        sort_by_word(w, sel, tmp, k);
+        for (i = 0; i < k; i++) vals[r * k + i] = row[sel[i]];
     }
-    free(keys);
+    free(w);
+    free(cand);
+    free(tmp);
     return 0;
 }
