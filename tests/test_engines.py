@@ -12,7 +12,7 @@ from mismatch.engines.attention import KERNEL_FAMILIES, KernelFamily, quantize_k
 from mismatch.engines.hf_attention import ATTN_IMPL
 from mismatch.engines.numerics import apply_numerics, calibrate
 from mismatch.engines.served_weights import quantizable_weights
-from mismatch.engines.logits import SamplingParams, process_logits
+from mismatch.engines.logits import SamplingParams, process_logits, process_rows
 from mismatch.engines.generation import generate
 from mismatch.engines.scorer import score
 from mismatch.metrics import kl_estimators
@@ -463,3 +463,27 @@ def test_the_nucleus_after_top_k_is_the_sorted_one_bit_for_bit(monkeypatch):
                     m.setattr(torch.Tensor, "sort", sorting)
                     fast = lg._nucleus(z, top_p, (vals, ids))
                 assert torch.equal(fast, lg._nucleus(z, top_p, None))
+
+
+def test_process_rows_takes_the_raw_log_softmax_where_nothing_truncates():
+    """Rows at temperature 1 without top-k or top-p get the caller's log-softmax itself (the
+    engine's `raw`), the bits `process_logits` computes; the other rows are processed as before,
+    on rows with ties, −inf, +inf and NaN."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 4
+    logits[1, :10] = float("-inf")
+    logits[2, 3] = float("inf")
+    logits[3, 7] = float("nan")
+    logits[4] = logits[4].round()
+    raw = torch.log_softmax(logits, dim=-1)
+    plain, nucleus = SamplingParams(), SamplingParams(top_p=0.9)
+    hot, topk = SamplingParams(temperature=0.7), SamplingParams(top_k=5)
+    assert process_rows(logits, [plain] * 6, raw) is raw
+    want = process_logits(logits, plain)
+    assert torch.equal(raw.view(torch.int32), want.view(torch.int32))
+    mixed = [plain, nucleus, hot, plain, topk, plain]
+    got, ref = process_rows(logits, mixed, raw), process_rows(logits, mixed)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    for i, p in enumerate(mixed):
+        assert torch.equal(got[i].view(torch.int32),
+                           process_logits(logits[i:i + 1], p)[0].view(torch.int32))

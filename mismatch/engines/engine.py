@@ -361,7 +361,7 @@ class Engine:
         """Draw (or force) each row's next token; write its log-probs and candidates into the
         slots' output buffers (one indexed write per buffer for the whole batch)."""
         raw = torch.log_softmax(logits, dim=-1)
-        proc = process_rows(logits, [s.request.params for s in seqs])
+        proc = process_rows(logits, [s.request.params for s in seqs], raw)
         tokens = next_tokens(proc, [s.request for s in seqs], [len(s.tokens) for s in seqs])
         tok_dev = tokens.to(raw.device)
         cand_lp, cand_ids = ranked_topk(raw, self._out.k)

@@ -47,19 +47,33 @@ class SamplingParams:
                              f"{self.candidates}")
 
 
-def process_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def process_rows(logits: torch.Tensor, params: list[SamplingParams],
+                 raw: torch.Tensor | None = None) -> torch.Tensor:
     """[B, V] FP32 logits with one SamplingParams per row → [B, V] processed log-probs (rows that
-    share their params are processed together)."""
+    share their params are processed together). `raw`: the logits' log-softmax, where the caller
+    has it: rows sampled at temperature 1 without truncation take it as it is (`logits / 1.0` is
+    `logits`, bit for bit, so their processed log-probs are those very values)."""
     groups: dict[SamplingParams, list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault(p, []).append(i)
+
+    def processed(rows: torch.Tensor | None, p: SamplingParams) -> torch.Tensor:
+        if raw is not None and _untruncated(p):
+            return raw if rows is None else raw[rows]
+        return process_logits(logits if rows is None else logits[rows], p)
+
     if len(groups) == 1:
-        return process_logits(logits, next(iter(groups)))
+        return processed(None, next(iter(groups)))
     proc = torch.empty_like(logits)
     for p, idx in groups.items():
         sel = torch.tensor(idx)
-        proc[sel] = process_logits(logits[sel], p)
+        proc[sel] = processed(sel, p)
     return proc
+
+
+def _untruncated(p: SamplingParams) -> bool:
+    """Whether `process_logits` under `p` is the plain log-softmax of the logits."""
+    return p.temperature == 1 and not p.top_k and p.top_p >= 1
 
 
 _NUMPY_SELECT = (torch.float32, torch.float64)
