@@ -142,18 +142,19 @@ class _Emulator:
             out = out + torch.matmul(xq[:, k0:k0 + step], entry.weight[:, k0:k0 + step].t())
         return out
 
-    def expert_gemms(self, entries: list[ServedLinear], xs: list[torch.Tensor],
+    def expert_gemms(self, entries: list[ServedLinear], xs: list[torch.Tensor] | None,
                      xqs: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """A fused MoE stage's GEMMs, one per expert hit: `gemm(xs[i], entries[i], xqs[i])`
-        each. FP8 under an accumulation model on CPU runs them as one grouped accumulation-model
-        GEMM (kernels.accumulate_gemm_grouped: the same bits, one call instead of one per
-        expert)."""
+        each (xs None where xqs is given: `gemm` given the quantized input reads only that).
+        FP8 under an accumulation model on CPU runs them as one grouped accumulation-model GEMM
+        (kernels.accumulate_gemm_grouped: the same bits, one call instead of one per expert)."""
         if xqs is None or len(entries) < 2 or self.amax is not None or \
                 xqs[0].device.type != "cpu" or not all(
                     e.group_slices is not None and e.cols == (0, e.group_slices.values.shape[2])
                     for e in entries):
             return [self.gemm(x, e, None if xqs is None else q)
-                    for x, e, q in zip(xs, entries, xqs or [None] * len(xs))]
+                    for x, e, q in zip(xs if xs is not None else xqs, entries,
+                                       xqs or [None] * len(xs))]
         scales = [self.act_scales[e.act_key].float() * e.weight_scale for e in entries]
         return accumulate_gemm_grouped(xqs, [e.group_slices for e in entries], self._acc, scales)
 
