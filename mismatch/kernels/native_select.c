@@ -7,10 +7,11 @@
    work (tests/test_native_kernels.py compares them on ties, NaN, ±0 and ±inf).
 
    Each value becomes a 32-bit word whose unsigned order is the ranking (the best first). The
-   k-th word is found a byte at a time (radix select: four counting passes over the row), the k
-   best are collected in id order (ties at the k-th word: the lowest ids) and sorted by word with
-   a stable radix sort, which keeps tied words in id order. No comparison branches on the data:
-   a decode step's rows cost a few passes each. */
+   k-th word is found a byte at a time (radix select: the top byte counted over the row, each
+   lower byte over the words that share the bytes above it), the k best are collected in id order
+   (ties at the k-th word: the lowest ids) and sorted by word with a stable radix sort, which
+   keeps tied words in id order. Counting rather than comparing: a decode step's rows cost a few
+   passes each. */
 
 #include <stdint.h>
 #include <stdlib.h>
