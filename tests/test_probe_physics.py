@@ -8,12 +8,12 @@ the figures the same as one after another."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 from mismatch.app.probe import ProbeConfig, run_probe
+from mismatch.engines.workers import default_processes
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +32,7 @@ _PROBES = {"nvfp4": dict(gpu="b200", dtype="nvfp4"), "fp8": dict(gpu="b200", dty
 
 @pytest.fixture(scope="module")
 def b200():
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    with ProcessPoolExecutor(max_workers=max(1, min(len(_PROBES), cores or 1)),
+    with ProcessPoolExecutor(max_workers=min(len(_PROBES), default_processes()),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
         return dict(zip(_PROBES, pool.map(_k3, _PROBES.values())))
 

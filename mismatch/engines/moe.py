@@ -68,8 +68,8 @@ def experts_forward(module: torch.nn.Module, mode):
         down = [mode.table[module.down_proj[e].data_ptr()] for e in hit]
         # each expert's rows, quantized where the stage quantized them once (the GEMMs then read
         # only those: the unquantized rows are not gathered)
-        rows = None if xq is not None else [hidden_states[t] for t in tok]
-        gus = mode.expert_gemms(gate_up, rows, None if xq is None else [xq[t] for t in tok])
+        gathered = None if xq is not None else [hidden_states[t] for t in tok]
+        gus = mode.expert_gemms(gate_up, gathered, None if xq is None else [xq[t] for t in tok])
         # the activation is elementwise: over all the stage's rows at once
         gate, up = torch.cat(gus).to(hidden_states.dtype).chunk(2, dim=-1)  # (Σ n_e, I) each
         inter = module.act_fn(gate) * up
