@@ -175,6 +175,42 @@ def test_a_dead_trainer_ends_the_run_resumably(ray_session, local_sync, tmp_path
     assert recs[2]["loss"] == pytest.approx(local_sync[2]["loss"], rel=1e-6, abs=1e-9)
 
 
+def test_weights_lost_with_their_publisher_are_told_from_a_dead_sampler(ray_session):
+    """Real Ray: a sampler whose fetch of a version fails because the actor publishing it died
+    (RayTaskError wrapping ActorDiedError) is told apart from a sampler actor that died itself
+    (which Ray restarts and the pipeline retries): the first ends the run with --resume."""
+    import ray
+
+    from mismatch.train.ray_backend import weights_lost
+
+    class Publisher:  # defined here: Ray's workers cannot import this test module
+        def publish(self):  # dies while it publishes, as a trainer killed mid-call
+            os._exit(1)
+
+    class Sampler:
+        def fetch(self, weights):
+            return ray.get(weights[0])
+
+        def sleep(self):
+            time.sleep(60)
+
+        def pid(self):
+            return os.getpid()
+
+    publisher = ray.remote(max_restarts=0)(Publisher).options(num_cpus=0).remote()
+    sampler = ray.remote(max_restarts=0)(Sampler).options(num_cpus=0).remote()
+    with pytest.raises(ray.exceptions.RayActorError) as lost:
+        ray.get(sampler.fetch.remote([publisher.publish.remote()]), timeout=120)
+    assert weights_lost(lost.value)
+    pid = ray.get(sampler.pid.remote())  # asked first: an actor's calls run one at a time
+    call = sampler.sleep.remote()
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError) as died:
+        ray.get(call, timeout=120)
+    assert not weights_lost(died.value)
+
+
 def test_fsdp2_trainer_ranks_on_a_shared_weights_path_step_as_one_trainer_and_resume(
         ray_session, local_whole_rows, tmp_path, model, tok):
     local_sync = local_whole_rows

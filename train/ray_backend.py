@@ -36,7 +36,8 @@ the restart once, and sends the call's units again (to a live replica of the gro
 one included); the units keep their numbers and seeds, so nothing is lost or duplicated and a
 unit sampled again is the same trajectory. The counts (`sampler_restarts`, `requeued_units`) are
 in every metrics record and each event is logged. A trainer actor that dies ends the run with a
-one-line error; its newest checkpoint resumes it (`--resume`).
+one-line error; its newest checkpoint resumes it (`--resume`). So does one that dies while it
+publishes a version: the samplers' calls fail fetching it (`weights_lost`), not restarted.
 
 The actors and the driver's handle on the trainer are in ray_actors.py; starting or joining Ray
 in ray_session.py.
@@ -62,11 +63,20 @@ from .ray_actors import (PLACEMENTS, BackendError, RemoteTrainer, SamplerActor,
                          ShardedTrainerActor, TrainerActor, sampler_resources, write_version)
 from .ray_session import ray_module, start_ray
 
-__all__ = ["RayBackend", "RayPipeline"]
+__all__ = ["RayBackend", "RayPipeline", "weights_lost"]
 
 log = logging.getLogger("mismatch.train")
 
 _MAX_ATTEMPTS = 5  # sampling calls of one batch before its group is declared lost
+
+
+def weights_lost(exc: BaseException) -> bool:
+    """Whether a failed sampling call failed inside a live sampler actor: its task raised
+    (Ray's RayTaskError) an actor's death — that of the trainer actor whose call was to return
+    the weights the sampler fetches — rather than the sampler's own actor dying (a plain
+    ActorDiedError, which Ray restarts). The first ends the run; retrying would fetch the same
+    lost weights."""
+    return isinstance(exc, ray_module().exceptions.RayTaskError)
 
 
 class RayPipeline(Pipeline):
@@ -129,6 +139,11 @@ class RayPipeline(Pipeline):
                 try:
                     got, dt = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
+                    if weights_lost(exc):
+                        raise BackendError(
+                            f"sampler group {name} cannot fetch weight version {version}: the "
+                            "trainer actor that was publishing it died; resume the run with "
+                            "--resume from its newest checkpoint") from None
                     self._lost(name, i, gen, units, exc)
                     if attempt == _MAX_ATTEMPTS:
                         raise BackendError(f"sampler group {name}: {_MAX_ATTEMPTS} sampling "
