@@ -208,13 +208,18 @@ def _take_units(pipe, cfg: TrainConfig, step: int) -> tuple[list[Unit], int]:
 
 
 def _core_handoff(pipeline: PipelineConfig, pipe, trainer) -> Callable[[], Any]:
-    """What the trainer's step runs under in an asynchronous run. With sampler processes on every
-    core there is no core to overlap the step with: three busy parties on two cores made the
-    step slower than `--sync`'s, where the samplers wait and the trainer takes their threads.
-    Then the samplers pause (SIGSTOP) while the trainer steps on every core, and sample ahead
-    (to the staleness bound) the rest of the time; said once in the log. Otherwise (a free core,
-    sampler threads, Ray, lockstep modes) nothing changes."""
+    """What the trainer's step runs under in an asynchronous run whose sampler processes fill
+    every core: each side gets its cores explicitly. The trainer steps on half the cores (at
+    least one) and the sampler processes take turns on the rest (`WorkerPool.paused` with
+    `keep`: at most that many run at once, rotating, so every batch in flight moves on). On
+    two cores, three busy parties (the trainer beside both samplers) made the step slower than
+    `--sync`'s; pausing every sampler while the trainer stepped on both cores overlapped
+    nothing (async ~1.0x sync), and pausing one sampler outright stalled its half-step batch
+    (0.93x); taking turns overlapped sampling with the step (1.19x: reports/benchmarks.md).
+    Said once in the log. Otherwise (a free core, sampler threads, Ray, lockstep modes)
+    nothing changes."""
     import contextlib
+    import functools
 
     from mismatch.engines.workers import default_processes
 
@@ -222,11 +227,16 @@ def _core_handoff(pipeline: PipelineConfig, pipe, trainer) -> Callable[[], Any]:
     cores = default_processes()
     if pipeline.lockstep or pool is None or pool.size < cores:
         return contextlib.nullcontext
-    trainer.threads = cores
-    log.info("asynchronous on %d cores with %d sampler processes: no core is free to overlap "
-             "the trainer's step with sampling, so the samplers pause while it steps on all %d "
-             "cores and sample ahead the rest of the time", cores, pool.size, cores)
-    return pool.paused
+    trainer.threads = max(1, cores // 2)
+    keep = cores - trainer.threads
+    if keep:
+        log.info("asynchronous on %d cores with %d sampler processes: the trainer steps on %d "
+                 "core(s) while the sampler processes take turns on the other %d and go on "
+                 "sampling ahead", cores, pool.size, trainer.threads, keep)
+    else:
+        log.info("asynchronous on 1 core with %d sampler process(es): they pause while the "
+                 "trainer steps and sample ahead the rest of the time", pool.size)
+    return functools.partial(pool.paused, keep=keep)
 
 
 def _run(cfg: TrainConfig, out: Path, ckpt: Path | None, backend, *, stop_on, model, tokenizer,

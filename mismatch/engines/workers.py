@@ -22,8 +22,8 @@ and runs calls of module-level functions in them:
   caller with the worker's traceback text. Nothing waits for ever.
 
 Calls from several threads run in parallel, one per idle worker (`call` blocks until a worker is
-free); `map` spreads a list of calls over the pool; `paused` stops every worker for a block
-(its cores go to the caller: the trainer's step in an asynchronous run).
+free); `map` spreads a list of calls over the pool; `paused` stops the workers, or all but some,
+for a block (their cores go to the caller: the trainer's step in an asynchronous run).
 """
 
 from __future__ import annotations
@@ -169,11 +169,20 @@ class WorkerPool:
             self.close()
             raise
         self._idle = list(self._workers)
+        self._stopped: set[int] = set()  # pids stopped by `paused`
         self._closed = False
 
     @property
     def size(self) -> int:
         return len(self._workers)
+
+    def _take_idle(self) -> _Worker:
+        """An idle worker, a running one before a stopped one (under the lock). A call given a
+        stopped worker starts when `paused` ends, and then at once."""
+        for i in range(len(self._idle) - 1, -1, -1):
+            if self._idle[i].process.pid not in self._stopped:
+                return self._idle.pop(i)
+        return self._idle.pop()
 
     def call(self, fn: Callable, *args, **kwargs) -> Any:
         """fn(*args, **kwargs) in an idle worker; blocks until one is free and the call ends."""
@@ -182,7 +191,7 @@ class WorkerPool:
                 if self._closed:
                     raise WorkerError("the worker pool is closed")
                 self._lock.wait(1.0)
-            worker = self._idle.pop()
+            worker = self._take_idle()
         held = [worker]  # the worker to give back (a restart replaces it)
         try:
             return self._run(held, fn, args, kwargs)
@@ -236,25 +245,58 @@ class WorkerPool:
         return [w.process.pid for w in self._workers]
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Stop every worker process (SIGSTOP) for the block and continue them after, whatever
-        the block raises: their cores are free for the caller meanwhile, and a call in flight
-        just takes longer. A worker killed meanwhile is found dead by its call, as always."""
-        stopped = []
-        for pid in self.pids():
+    def paused(self, keep: int = 0, turn_s: float = 0.05) -> Iterator[None]:
+        """For the block, at most `keep` worker processes run; the others are stopped (SIGSTOP)
+        and all continue after, whatever the block raises. The stopped workers' cores are the
+        caller's meanwhile; a call in flight on a stopped worker just takes longer. With
+        0 < `keep` < the pool's size the workers take turns (every `turn_s` seconds the next
+        `keep` of them in index order run, the others stop), so every call in flight moves on
+        at keep/size of its speed instead of some stalling whole. A worker killed meanwhile is
+        found dead by its call, as always."""
+        with self._lock:
+            pids = [w.process.pid for w in sorted(self._workers, key=lambda w: w.index)]
+        if keep >= len(pids):
+            yield
+            return
+
+        def send(pid: int, sig: int) -> None:
             try:
-                os.kill(pid, signal.SIGSTOP)
-                stopped.append(pid)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+
+        def run_only(running: list[int]) -> None:
+            with self._lock:
+                self._stopped = set(pids) - set(running)
+            for pid in pids:  # stop before continuing: never more than `keep` run at once
+                if pid not in running:
+                    send(pid, signal.SIGSTOP)
+            for pid in running:
+                send(pid, signal.SIGCONT)
+
+        done = threading.Event()
+
+        def turns() -> None:
+            turn = 0
+            while not done.wait(turn_s):
+                turn += keep
+                run_only([pids[(turn + j) % len(pids)] for j in range(keep)])
+
+        run_only(pids[:keep])
+        rotor = threading.Thread(target=turns, name="worker-turns", daemon=True) \
+            if keep > 0 else None
         try:
+            if rotor is not None:
+                rotor.start()
             yield
         finally:
-            for pid in stopped:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            done.set()
+            if rotor is not None and rotor.is_alive():
+                rotor.join()
+            with self._lock:
+                self._stopped = set()
+            for pid in pids:
+                send(pid, signal.SIGCONT)
 
     def close(self) -> None:
         with self._lock:
