@@ -178,7 +178,7 @@ class WorkerPool:
 
     def _take_idle(self) -> _Worker:
         """An idle worker, a running one before a stopped one (under the lock). A call given a
-        stopped worker starts when `paused` ends, and then at once."""
+        stopped worker starts at its next turn, or when `paused` ends."""
         for i in range(len(self._idle) - 1, -1, -1):
             if self._idle[i].process.pid not in self._stopped:
                 return self._idle.pop(i)
