@@ -384,5 +384,6 @@ def async_section(sync: dict, steps: int, say) -> None:
     say(f"{'asynchronous':34} {asyn_rate:11.2f} {asyn_mean:8.2f}   async/sync "
         f"{asyn_rate / sync_rate:.2f}x (mean {asyn_mean / sync_mean:.2f}x)")
 
+
 if __name__ == "__main__":
     main()

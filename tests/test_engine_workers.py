@@ -224,6 +224,7 @@ def test_paused_with_keep_lets_the_workers_take_turns(pool, tmp_path):
         c.start()
     while not all(m.exists() for m in markers):
         time.sleep(0.02)
+
     def count(path: Path) -> int:  # the writer truncates, then writes
         for _ in range(100):
             try:
